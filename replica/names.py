@@ -1,0 +1,124 @@
+"""Strict parsing of the names that become paths: tenants, shards and session ids.
+
+A session id is ``<shard>.<opaque>``; a shard is slice-qualified, ``<slice>-<name>`` (``a07-s3``
+is shard ``s3`` of slice ``a07``). Every name is checked against an ASCII whitelist with a length
+bound *before* anything is joined onto a shard root, so nothing a client sends can name a path
+outside it: no ``/``, no ``..``, no NUL, no empty part, no look-alike non-ASCII characters.
+
+This is the only parser of these names in the project; the edge imports it too, so the edge and
+the replica can never disagree about which slice an id belongs to.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from replica.errors import InvalidName
+
+MAX_SHARD = 64
+MAX_SLICE = 32
+MAX_OPAQUE = 96
+MAX_TENANT = 128
+MAX_SESSION_ID = MAX_SHARD + 1 + MAX_OPAQUE
+
+_SLICE = re.compile(r"[A-Za-z0-9_]+")
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_-]+")
+_OPAQUE = re.compile(r"[A-Za-z0-9_-]+")
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _require_str(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidName(f"{what} must be a string")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """A slice-qualified shard name such as ``a07-s3``."""
+
+    slice: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.slice}-{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionId:
+    """A parsed session id: the shard it lives on and the opaque part minted with it."""
+
+    shard: Shard
+    opaque: str
+
+    def __str__(self) -> str:
+        return f"{self.shard}.{self.opaque}"
+
+    @property
+    def slice(self) -> str:
+        return self.shard.slice
+
+
+def parse_slice(value: object) -> str:
+    text = _require_str(value, "slice")
+    if not 0 < len(text) <= MAX_SLICE or not _SLICE.fullmatch(text):
+        raise InvalidName(f"slice must be 1-{MAX_SLICE} characters of [A-Za-z0-9_]")
+    return text
+
+
+def parse_shard(value: object) -> Shard:
+    text = _require_str(value, "shard")
+    if not 0 < len(text) <= MAX_SHARD:
+        raise InvalidName(f"shard must be 1-{MAX_SHARD} characters")
+    slice_part, sep, name = text.partition("-")
+    if not sep or not slice_part or not name:
+        raise InvalidName("shard must be slice-qualified: <slice>-<name>, e.g. a07-s3")
+    if len(slice_part) > MAX_SLICE or not _SLICE.fullmatch(slice_part):
+        raise InvalidName(f"shard's slice must be 1-{MAX_SLICE} characters of [A-Za-z0-9_]")
+    if not _SHARD_NAME.fullmatch(name):
+        raise InvalidName("shard name may hold only [A-Za-z0-9_-]")
+    return Shard(slice_part, name)
+
+
+def parse_session_id(value: object) -> SessionId:
+    text = _require_str(value, "session id")
+    if not 0 < len(text) <= MAX_SESSION_ID:
+        raise InvalidName(f"session id must be 1-{MAX_SESSION_ID} characters")
+    shard_part, sep, opaque = text.partition(".")
+    if not sep:
+        raise InvalidName("session id must be <shard>.<opaque>")
+    shard = parse_shard(shard_part)
+    if not 0 < len(opaque) <= MAX_OPAQUE or not _OPAQUE.fullmatch(opaque):
+        raise InvalidName(f"session id's opaque part must be 1-{MAX_OPAQUE} of [A-Za-z0-9_-]")
+    return SessionId(shard, opaque)
+
+
+def parse_tenant(value: object) -> str:
+    text = _require_str(value, "tenant")
+    if not 0 < len(text) <= MAX_TENANT or not _TENANT.fullmatch(text) or ".." in text:
+        raise InvalidName(
+            f"tenant must be 1-{MAX_TENANT} characters of [A-Za-z0-9_.-], "
+            "starting with a letter or digit, without '..'"
+        )
+    return text
+
+
+def tenant_dir(shard_root: Path, tenant: str) -> Path:
+    """``<shard_root>/<tenant>/sessions``, for a tenant that has already been parsed."""
+    return _inside(shard_root, shard_root / parse_tenant(tenant) / "sessions")
+
+
+def session_dir(shard_root: Path, tenant: str, session: SessionId) -> Path:
+    """``<shard_root>/<tenant>/sessions/<session_id>``; the root must be absolute."""
+    if not shard_root.is_absolute():
+        raise InvalidName("shard root must be an absolute path")
+    return _inside(shard_root, tenant_dir(shard_root, tenant) / str(session))
+
+
+def _inside(root: Path, path: Path) -> Path:
+    # The parsers above already make escape impossible; this is the belt to their braces.
+    if root not in path.parents:
+        raise InvalidName("name resolves outside the shard root")
+    return path
