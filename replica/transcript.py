@@ -1,0 +1,113 @@
+"""A session's transcript: messages in a tree, rebuilt from committed batches.
+
+Every message has an id and the id of its parent; a committed batch (one turn) hangs off the
+session's leaf, and the newest committed message becomes the new leaf. The transcript keeps the
+messages in commit order, which for the linear conversations an agent holds is the path from the
+root to the leaf. ``since`` answers "what was committed after this message", which is how clients
+resume (``get_messages`` with ``since``, SSE ``Last-Event-ID``).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+_ROLES = frozenset({"user", "assistant", "tool", "system", "event"})
+_CORE_KEYS = frozenset({"id", "parent_id", "role", "content", "ts"})
+
+
+def new_message_id() -> str:
+    return "m" + secrets.token_urlsafe(9)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message. ``extra`` carries role-specific fields (tool calls, tool call id, job ids)."""
+
+    id: str
+    parent_id: str | None
+    role: str
+    content: str
+    ts: float
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.extra)
+        out.update(
+            id=self.id, parent_id=self.parent_id, role=self.role, content=self.content, ts=self.ts
+        )
+        return out
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> Message:
+        msg_id, parent, role = data.get("id"), data.get("parent_id"), data.get("role")
+        content, ts = data.get("content"), data.get("ts")
+        if not isinstance(msg_id, str) or not msg_id:
+            raise ValueError("message id must be a non-empty string")
+        if parent is not None and not isinstance(parent, str):
+            raise ValueError("parent_id must be a string or null")
+        if role not in _ROLES:
+            raise ValueError("unknown message role")
+        if not isinstance(content, str):
+            raise ValueError("message content must be a string")
+        if not isinstance(ts, int | float) or isinstance(ts, bool):
+            raise ValueError("message ts must be a number")
+        extra = {k: v for k, v in data.items() if k not in _CORE_KEYS}
+        return cls(msg_id, parent, str(role), content, float(ts), extra)
+
+
+class UnknownMessage(LookupError):
+    """``since`` named a message this transcript does not have."""
+
+
+@dataclass(slots=True)
+class Transcript:
+    """The current conversation of a session, in commit order."""
+
+    messages: list[Message] = field(default_factory=list)
+    _index: dict[str, int] = field(default_factory=dict, repr=False)
+    resets: int = 0
+
+    @property
+    def leaf_id(self) -> str | None:
+        return self.messages[-1].id if self.messages else None
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    def apply_batch(self, batch: Iterable[Message]) -> None:
+        for message in batch:
+            self._index[message.id] = len(self.messages)
+            self.messages.append(message)
+
+    def reset(self) -> None:
+        """A new conversation in the same session id: the old one was archived elsewhere."""
+        self.messages = []
+        self._index = {}
+        self.resets += 1
+
+    def since(self, message_id: str | None) -> Sequence[Message]:
+        if message_id is None:
+            return list(self.messages)
+        position = self._index.get(message_id)
+        if position is None:
+            raise UnknownMessage(message_id)
+        return self.messages[position + 1 :]
+
+    def __contains__(self, message_id: object) -> bool:
+        return message_id in self._index
+
+    def chain(self, batch: Sequence[Message]) -> list[Message]:
+        """Hang a batch off the current leaf: each message's parent is the one before it."""
+        parent = self.leaf_id
+        out = []
+        for message in batch:
+            out.append(
+                Message(
+                    message.id, parent, message.role, message.content, message.ts, message.extra
+                )
+            )
+            parent = message.id
+        return out
