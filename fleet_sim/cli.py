@@ -1,0 +1,209 @@
+"""``fleet-sim``: the simulator's command line.
+
+Each subcommand is one ``_register_<name>(subparsers)`` function that adds its parser and sets
+``handler`` to a ``(argparse.Namespace) -> int`` function; adding a subcommand is adding a pair
+of functions and naming the first in ``_REGISTRARS``.
+
+Exit codes: 0 success, 2 bad input (a usage error or a refused flag, file or value: one line on
+stderr, never a traceback), 1 anything else a handler reports as failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Final
+
+from fleet_sim.keys import (
+    DEFAULT_TTL_S,
+    GRANT_KEYS_FILE,
+    KEYSET_FILES,
+    TENANT_ROOT_FILE,
+    derive_tenant_dek,
+    generate_keyset,
+    load_keyset,
+    mint_grant,
+)
+from replica.errors import ReplicaError
+from replica.keyfiles import read_key_file
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+DEFAULT_WORKSPACE: Final = "/workspace"
+DEFAULT_EXEC_URL: Final = "http://127.0.0.1:7700"
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class UsageError(Exception):
+    """Bad input found after argument parsing; reported like an argparse error (exit 2)."""
+
+
+# --- keys ---
+
+
+def _register_keys(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "keys",
+        help="write a fresh control-plane keyset",
+        description=(
+            "Write the control plane's keys into a new directory (mode 0700, files 0600): "
+            + ", ".join(KEYSET_FILES)
+            + f". Start replicas with each line of {GRANT_KEYS_FILE} as a --grant-key value, "
+            "--seal-key DIR/seal.key and --notify-key DIR/notify.key. "
+            f"{TENANT_ROOT_FILE} exists only so the simulator can derive tenant data keys."
+        ),
+    )
+    parser.add_argument("--dir", required=True, type=Path, metavar="D", help="keys directory")
+    parser.add_argument("--kid", default="k1", help="key id of the signing key (default: k1)")
+    parser.add_argument("--force", action="store_true", help="replace an existing keyset in D")
+    parser.set_defaults(handler=_run_keys)
+
+
+def _run_keys(args: argparse.Namespace) -> int:
+    keyset = generate_keyset(args.dir, kid=args.kid, force=args.force)
+    print(f"wrote keyset to {keyset.directory}")
+    for value in keyset.grant_key_args:
+        print(f"  --grant-key {value}")
+    print(f"  --seal-key {keyset.seal_key_path}")
+    print(f"  --notify-key {keyset.notify_key_path}")
+    return EXIT_OK
+
+
+# --- grant ---
+
+
+def _parse_header(value: str) -> tuple[str, str]:
+    name, sep, header_value = value.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError("must be NAME=VALUE")
+    return name, header_value
+
+
+def _register_grant(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "grant",
+        help="mint a grant for one session and print it",
+        description=(
+            "Print a signed x-beyond-grant for one session of one tenant. Without --dek-file the "
+            f"tenant's data key is derived from {TENANT_ROOT_FILE} in the keys directory, a "
+            "simulator convenience so every grant for a tenant carries the same key; a real "
+            "control plane keeps per-tenant keys in its secret store."
+        ),
+    )
+    parser.add_argument("--keys", required=True, type=Path, metavar="D", help="keys directory")
+    parser.add_argument("--tenant", required=True, help="tenant name")
+    parser.add_argument("--session", required=True, metavar="ID", help="session id <shard>.<id>")
+    parser.add_argument(
+        "--ttl",
+        type=int,
+        default=DEFAULT_TTL_S,
+        metavar="S",
+        help=f"lifetime in seconds (default: {DEFAULT_TTL_S}, at most one day)",
+    )
+    parser.add_argument(
+        "--workspace",
+        default=DEFAULT_WORKSPACE,
+        metavar="PATH",
+        help=f"workspace root in the sandbox (default: {DEFAULT_WORKSPACE})",
+    )
+    parser.add_argument(
+        "--exec-url",
+        default=DEFAULT_EXEC_URL,
+        metavar="URL",
+        help=f"sandbox exec endpoint (default: {DEFAULT_EXEC_URL})",
+    )
+    parser.add_argument(
+        "--exec-header",
+        action="append",
+        default=[],
+        type=_parse_header,
+        metavar="NAME=VALUE",
+        help="a header for the exec endpoint, sealed in the grant (repeatable)",
+    )
+    parser.add_argument(
+        "--dek-file",
+        type=Path,
+        metavar="FILE",
+        help="tenant data key file (32 bytes, base64url) instead of the derived one",
+    )
+    parser.set_defaults(handler=_run_grant)
+
+
+def _run_grant(args: argparse.Namespace) -> int:
+    keyset = load_keyset(args.keys)
+    if args.dek_file is not None:
+        dek = read_key_file(args.dek_file, what="tenant data")
+    else:
+        dek = derive_tenant_dek(keyset, args.tenant)
+    headers: dict[str, str] = {}
+    for name, value in args.exec_header:
+        if name.lower() in (existing.lower() for existing in headers):
+            raise UsageError(f"--exec-header {name} given twice")
+        headers[name] = value
+    token = mint_grant(
+        keyset,
+        tenant=args.tenant,
+        session_id=args.session,
+        workspace_root=args.workspace,
+        exec_url=args.exec_url,
+        dek=dek,
+        exec_headers=headers,
+        ttl_s=args.ttl,
+    )
+    print(token)
+    return EXIT_OK
+
+
+# --- wiring ---
+
+_REGISTRARS: Final[
+    tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...]
+] = (
+    _register_keys,
+    _register_grant,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fleet-sim",
+        description="Run and prove a fleet of edge and replicas on one machine.",
+        epilog=(
+            "example:\n"
+            "  fleet-sim keys --dir ./keys\n"
+            "  fleet-sim grant --keys ./keys --tenant acme --session a07-s3.demo\n\n"
+            "Run 'fleet-sim COMMAND --help' for a command's options."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for register in _REGISTRARS:
+        register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        # argparse has already printed usage or help; keep main() a function that returns.
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except (ReplicaError, UsageError) as exc:
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"{parser.prog} {args.command}: error: {exc.strerror}{where}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
