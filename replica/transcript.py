@@ -42,20 +42,27 @@ class Message:
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> Message:
-        msg_id, parent, role = data.get("id"), data.get("parent_id"), data.get("role")
-        content, ts = data.get("content"), data.get("ts")
-        if not isinstance(msg_id, str) or not msg_id:
+        get = data.get
+        msg_id, parent, role, content, ts = (
+            get("id"),
+            get("parent_id"),
+            get("role"),
+            get("content"),
+            get("ts"),
+        )
+        # Replay calls this for every stored message, so the checks are exact-type tests.
+        if type(msg_id) is not str or not msg_id:
             raise ValueError("message id must be a non-empty string")
-        if parent is not None and not isinstance(parent, str):
+        if parent is not None and type(parent) is not str:
             raise ValueError("parent_id must be a string or null")
         if role not in _ROLES:
             raise ValueError("unknown message role")
-        if not isinstance(content, str):
+        if type(content) is not str:
             raise ValueError("message content must be a string")
-        if not isinstance(ts, int | float) or isinstance(ts, bool):
+        if type(ts) is not float and type(ts) is not int:
             raise ValueError("message ts must be a number")
-        extra = {k: v for k, v in data.items() if k not in _CORE_KEYS}
-        return cls(msg_id, parent, str(role), content, float(ts), extra)
+        extra = {k: v for k, v in data.items() if k not in _CORE_KEYS} if len(data) > 5 else {}
+        return cls(msg_id, parent, role, content, float(ts), extra)
 
 
 class UnknownMessage(LookupError):

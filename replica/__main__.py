@@ -1,0 +1,3 @@
+from replica.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""``fleet-replica``: the replica's command line.
+
+``fleet-replica store verify SESSION_DIR --dek-file FILE`` opens every sealed record of one
+session, checks the epoch chain and the seals, and prints what it found. Exit status: 0 when the
+history verifies, 1 when it does not (the message says where), 2 for bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from replica.errors import ConfigError, CorruptHistory, InvalidName, StorageUnavailable
+from replica.history import History, read_history
+from replica.keyfiles import read_key_file
+from replica.names import parse_session_id, parse_tenant
+from replica.sealing import RecordSealer
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fleet-replica", description="A replica of the coding-agent fleet.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    store = commands.add_parser("store", help="inspect session storage")
+    store_commands = store.add_subparsers(dest="store_command", required=True, parser_class=_Parser)
+    verify = store_commands.add_parser(
+        "verify",
+        help="check every seal and the epoch chain of one session",
+        description=(
+            "Open every sealed record of SESSION_DIR (<shard>/<tenant>/sessions/<session id>) "
+            "with the tenant's data key, check the chain of epoch segments, and print a summary. "
+            "Exits 1 on any corruption."
+        ),
+    )
+    verify.add_argument("session_dir", type=Path, metavar="SESSION_DIR")
+    verify.add_argument("--dek-file", type=Path, required=True, help="the tenant's data key file")
+    verify.add_argument("--tenant", help="tenant (default: read from SESSION_DIR's path)")
+    verify.add_argument("--session", help="session id (default: SESSION_DIR's name)")
+    verify.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return parser
+
+
+def _names_from(args: argparse.Namespace) -> tuple[str, str]:
+    directory: Path = args.session_dir.resolve()
+    tenant = args.tenant or directory.parent.parent.name
+    if args.tenant is None and directory.parent.name != "sessions":
+        raise InvalidName("SESSION_DIR is not <shard>/<tenant>/sessions/<id>; pass --tenant")
+    return parse_tenant(tenant), str(parse_session_id(args.session or directory.name))
+
+
+def summarize(history: History, tenant: str, session: str) -> dict[str, object]:
+    return {
+        "tenant": tenant,
+        "session": session,
+        "segments": [
+            {
+                "epoch": s.epoch,
+                "prev_epoch": s.prev_epoch,
+                "seals_prev_at": s.seals_prev_at,
+                "bound": s.bound,
+                "valid_end": s.valid_end,
+                "size": s.size,
+                "batches": s.batches,
+                "messages": s.messages,
+                "ignored_bytes": s.ignored_bytes,
+                "header_torn": s.header_torn,
+            }
+            for s in history.segments
+        ],
+        "batches": history.batches,
+        "committed_messages": history.committed_messages,
+        "conversation_messages": len(history.transcript),
+        "leaf_id": history.transcript.leaf_id,
+    }
+
+
+_COLUMNS = (
+    "epoch",
+    "prev_epoch",
+    "seals_prev_at",
+    "bound",
+    "valid_end",
+    "size",
+    "batches",
+    "messages",
+    "ignored_bytes",
+)
+
+
+def _print_table(history: History, tenant: str, session: str) -> None:
+    print(f"session {session} (tenant {tenant})")
+    rows = [
+        ["-" if getattr(seg, c) is None else str(getattr(seg, c)) for c in _COLUMNS]
+        for seg in history.segments
+    ]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(_COLUMNS)]
+    for row in (list(_COLUMNS), *rows):
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
+    segments = history.segments
+    print(
+        f"ok: {len(segments)} segments, epochs {segments[0].epoch}-{segments[-1].epoch}, "
+        f"{history.batches} batches, {history.committed_messages} committed messages "
+        f"({len(history.transcript)} in the current conversation, "
+        f"leaf {history.transcript.leaf_id or '-'})"
+    )
+
+
+def _verify(args: argparse.Namespace) -> int:
+    try:
+        tenant, session = _names_from(args)
+        dek = read_key_file(args.dek_file, what="tenant data key")
+    except (InvalidName, ConfigError) as exc:
+        print(f"fleet-replica: {exc}", file=sys.stderr)
+        return 2
+    if not args.session_dir.is_dir():
+        print(f"fleet-replica: {args.session_dir} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        history = read_history(args.session_dir, RecordSealer.for_session(dek, tenant, session))
+    except CorruptHistory as exc:
+        print(f"CORRUPT: {exc}", file=sys.stderr)
+        return 1
+    except StorageUnavailable as exc:
+        print(f"fleet-replica: {exc}", file=sys.stderr)
+        return 1
+    if not history.segments:
+        print(
+            "CORRUPT: no segments: not a session directory, or its history is gone", file=sys.stderr
+        )
+        return 1
+    if args.json:
+        print(json.dumps(summarize(history, tenant, session), indent=2))
+    else:
+        _print_table(history, tenant, session)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "store" and args.store_command == "verify":
+        return _verify(args)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
