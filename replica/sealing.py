@@ -63,6 +63,6 @@ class RecordSealer:
             return self._aead.decrypt(position, sealed, self._ad_prefix + position)
         except InvalidTag:
             raise CorruptHistory(
-                f"record {index} of epoch {epoch} does not open: wrong key, "
+                f"segment {epoch} record {index} does not open: wrong key, "
                 "moved or reordered record, or altered bytes"
             ) from None
