@@ -1,0 +1,449 @@
+"""Model providers: the clients that stream a reply, and the ``--model`` spec that picks one.
+
+A provider turns a conversation and the offered tools into a stream of events: text deltas,
+complete tool calls, then exactly one :class:`Finish` (the types and the ``ModelError`` tree
+live in ``replica.model_types`` and are re-exported here). Three providers exist:
+
+- :class:`MockModel`: instant and deterministic (the script in ``replica.model_script``);
+- :class:`StubModel`: the same script delivered with a declared latency (time to first token,
+  time per token), so load tests see the think time a real model would impose;
+- :class:`OpenAIModel`: any OpenAI-compatible streaming chat-completions endpoint.
+
+Consumers should close an abandoned stream (``contextlib.aclosing``) so the HTTP response
+behind it is released at once rather than when the generator is collected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias, cast
+
+import httpx
+
+from replica import model_script, model_wire
+from replica.errors import ConfigError
+from replica.model_types import (
+    ChatMessage,
+    Finish,
+    FinishReason,
+    ModelError,
+    ModelEvent,
+    ModelHTTPError,
+    ModelProtocolError,
+    ModelProvider,
+    ModelStreamError,
+    ModelTimeout,
+    ModelUnavailable,
+    Role,
+    TextDelta,
+    ToolCall,
+    ToolCallEvent,
+    ToolSpec,
+)
+
+__all__ = [
+    "ChatMessage",
+    "Finish",
+    "FinishReason",
+    "MockModel",
+    "MockSpec",
+    "ModelError",
+    "ModelEvent",
+    "ModelHTTPError",
+    "ModelProtocolError",
+    "ModelProvider",
+    "ModelSpec",
+    "ModelStreamError",
+    "ModelTimeout",
+    "ModelUnavailable",
+    "OpenAIModel",
+    "OpenAISpec",
+    "Role",
+    "StubModel",
+    "StubSpec",
+    "TextDelta",
+    "ToolCall",
+    "ToolCallEvent",
+    "ToolSpec",
+    "make_provider",
+    "parse_model_spec",
+]
+
+
+# --- scripted providers -------------------------------------------------------------------
+
+
+class _ScriptedModel:
+    """Delivers ``model_script`` replies as events, on a declared latency schedule."""
+
+    def __init__(self, ttft_s: float, per_token_s: float, default_words: int | None) -> None:
+        if ttft_s < 0 or per_token_s < 0:
+            raise ValueError("latencies must not be negative")
+        self._ttft_s = ttft_s
+        self._per_token_s = per_token_s
+        self._default_words = default_words
+
+    async def stream(
+        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *, max_tokens: int
+    ) -> AsyncIterator[ModelEvent]:
+        reply = model_script.plan_reply(
+            messages,
+            {t.name for t in tools},
+            max_tokens=max_tokens,
+            default_words=self._default_words,
+        )
+        if reply.error_status is not None:
+            raise ModelHTTPError(
+                f"scripted model answered {reply.error_status}", status=reply.error_status
+            )
+        # The finish is the last unit of a stream, so a hang-up at len(units) loses only it.
+        cut = reply.hangup_after
+        if cut is not None and cut > len(reply.units):
+            cut = None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for i, unit in enumerate(reply.units[:cut]):
+            due = start + model_script.unit_offset(i, self._ttft_s, self._per_token_s)
+            # Sleep even at zero delay: an instant model must still let other tasks run.
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            if isinstance(unit, model_script.TextPiece):
+                yield TextDelta(unit.text)
+        if cut is not None:
+            raise ModelStreamError(f"scripted model stream broke off after {cut} units")
+        for call in reply.calls:
+            yield ToolCallEvent(ToolCall(call.id, call.name, call.arguments))
+        yield Finish(reply.finish, reply.prompt_tokens, reply.completion_tokens)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class MockModel(_ScriptedModel):
+    """Instant, deterministic answers (see ``replica.model_script`` for the directives)."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0, 0.0, None)
+
+    def __repr__(self) -> str:
+        return "MockModel()"
+
+
+class StubModel(_ScriptedModel):
+    """The mock's script with a declared latency; plain replies are ``tokens`` words long."""
+
+    def __init__(self, ttft_s: float = 0.3, per_token_s: float = 0.012, tokens: int = 200) -> None:
+        if tokens < 1:
+            raise ValueError("tokens must be at least 1")
+        super().__init__(ttft_s, per_token_s, tokens)
+        self.ttft_s = ttft_s
+        self.per_token_s = per_token_s
+        self.tokens = tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"StubModel(ttft_s={self.ttft_s}, per_token_s={self.per_token_s}, tokens={self.tokens})"
+        )
+
+
+# --- OpenAI-compatible client -------------------------------------------------------------
+
+_MAX_ERROR_BODY = 64 * 1024
+_DRAIN_S = 0.5
+_DRAIN_LINES = 16
+# Servers quote keys back in their 401 text (OpenAI masks the middle); none of it is shown.
+_KEYLIKE = re.compile(r"\b(?:sk|key)-[A-Za-z0-9_*.\-]{6,}")
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]{1,4096}")
+
+
+class _Secret:
+    """Holds the API key so that no repr, log line or traceback local shows it."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "<redacted>"
+
+
+class OpenAIModel:
+    """Streaming chat completions against an OpenAI-compatible server.
+
+    The API key is read once, at construction, from the environment variable ``api_key_env``;
+    when it is unset or empty no ``Authorization`` header is sent (local servers need none).
+    ``timeout`` bounds connecting, sending, and each wait for the next chunk of the stream.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str = "gpt-4o-mini",
+        api_key_env: str = "OPENAI_API_KEY",
+        timeout: float = 60.0,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        url = httpx.URL(base_url.rstrip("/"))
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError("base_url must be an http(s) URL with a host")
+        if timeout <= 0:
+            raise ValueError("timeout must be positive")
+        self.model = model
+        self.api_key_env = api_key_env
+        self._endpoint = str(url) + "/chat/completions"
+        self._shown_url = str(url.copy_with(username=None, password=None))
+        key = os.environ.get(api_key_env, "")
+        if key and not _HEADER_SAFE.fullmatch(key):
+            # Checked here so the failure names the variable, never the value.
+            raise ConfigError(f"environment variable {api_key_env} does not hold a usable key")
+        self._key = _Secret(key) if key else None
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), transport=transport)
+
+    def __repr__(self) -> str:
+        key = "set" if self._key else "unset"
+        return f"OpenAIModel({self._shown_url!r}, model={self.model!r}, key {key})"
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def stream(
+        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *, max_tokens: int
+    ) -> AsyncIterator[ModelEvent]:
+        body = model_wire.request_body(self.model, messages, tools, max_tokens=max_tokens)
+        headers = {"accept": "text/event-stream"}
+        if self._key is not None:
+            headers["authorization"] = "Bearer " + self._key.reveal()
+        # Failures are raised after the except clauses, not inside them, so no exception
+        # carries an unredacted predecessor in __context__.
+        failure: ModelError | None = None
+        try:
+            async with self._client.stream(
+                "POST", self._endpoint, json=body, headers=headers
+            ) as response:
+                if not 200 <= response.status_code < 300:
+                    raise await self._http_error(response)
+                ctype = response.headers.get("content-type", "")
+                if ctype.startswith("application/json"):
+                    raise ModelProtocolError(
+                        f"model server {self._shown_url} answered JSON, not an event stream"
+                    )
+                decoder = model_wire.SSEDecoder()
+                assembler = model_wire.StreamAssembler()
+                # aiter_lines is an async generator; closing it here, not at garbage collection,
+                # keeps its clean-up inside this task.
+                body_lines = cast("AsyncGenerator[str, None]", response.aiter_lines())
+                async with contextlib.aclosing(body_lines) as lines:
+                    async for line in lines:
+                        for data in decoder.feed(line):
+                            for event in assembler.feed_data(data):
+                                yield event
+                        if assembler.done:
+                            break
+                    if assembler.done:
+                        await _drain(lines)
+                        return
+                for data in decoder.close():
+                    for event in assembler.feed_data(data):
+                        yield event
+                for event in assembler.end_of_stream():
+                    yield event
+        except ModelError as exc:
+            failure = self._redacted(exc)
+        except httpx.TimeoutException as exc:
+            failure = ModelTimeout(
+                f"model server {self._shown_url} timed out ({type(exc).__name__})"
+            )
+        except httpx.ConnectError as exc:
+            failure = ModelUnavailable(
+                f"cannot connect to model server {self._shown_url} ({type(exc).__name__})"
+            )
+        except httpx.TransportError as exc:
+            failure = ModelStreamError(
+                f"connection to model server {self._shown_url} broke off ({type(exc).__name__})"
+            )
+        except httpx.HTTPError as exc:
+            failure = ModelProtocolError(
+                f"model server {self._shown_url} sent an unreadable response ({type(exc).__name__})"
+            )
+        if failure is not None:
+            raise failure
+
+    async def _http_error(self, response: httpx.Response) -> ModelHTTPError:
+        raw = bytearray()
+        async for chunk in response.aiter_bytes():
+            raw += chunk
+            if len(raw) >= _MAX_ERROR_BODY:
+                break
+        detail = _redact(model_wire.error_detail(bytes(raw[:_MAX_ERROR_BODY])), self._key)
+        retry_after = model_wire.retry_after_seconds(response.headers.get("retry-after"))
+        message = f"model server {self._shown_url} answered {response.status_code}"
+        if detail:
+            message += ": " + detail
+        return ModelHTTPError(message, status=response.status_code, retry_after=retry_after)
+
+    def _redacted(self, exc: ModelError) -> ModelError:
+        text = str(exc)
+        clean = _redact(text, self._key)
+        if clean == text:
+            return exc
+        if isinstance(exc, ModelHTTPError):
+            return ModelHTTPError(clean, status=exc.status, retry_after=exc.retry_after)
+        return type(exc)(clean)
+
+
+async def _drain(lines: AsyncIterator[str]) -> None:
+    """Read what follows ``[DONE]`` (normally just the end of the body) so the connection can
+    be reused; a server that keeps the stream open after it is simply cut off."""
+    with contextlib.suppress(StopAsyncIteration, httpx.HTTPError, TimeoutError):
+        async with asyncio.timeout(_DRAIN_S):
+            for _ in range(_DRAIN_LINES):
+                await anext(lines)
+
+
+def _redact(text: str, key: _Secret | None) -> str:
+    if key is not None:
+        text = text.replace(key.reveal(), "[redacted]")
+    return _KEYLIKE.sub("[redacted]", text)
+
+
+# --- specs --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MockSpec:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class StubSpec:
+    ttft_s: float = 0.3
+    per_token_s: float = 0.012
+    tokens: int = 200
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAISpec:
+    base_url: str
+    model: str = "gpt-4o-mini"
+    api_key_env: str = "OPENAI_API_KEY"
+    timeout_s: float = 60.0
+
+
+ModelSpec: TypeAlias = MockSpec | StubSpec | OpenAISpec
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s)")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MAX_STUB_TOKENS = 1_000_000
+
+
+def parse_model_spec(spec: str) -> ModelSpec:
+    """Parse ``--model``: ``mock``, ``stub[:ttft=300ms,per_token=12ms,tokens=200]`` or
+    ``openai:URL[#model=NAME&key_env=VAR&timeout=60s]``."""
+    kind, sep, rest = spec.strip().partition(":")
+    if kind == "mock":
+        if sep:
+            raise ConfigError("--model mock takes no options")
+        return MockSpec()
+    if kind == "stub":
+        return _parse_stub(spec.strip(), rest)
+    if kind == "openai":
+        return _parse_openai(rest)
+    raise ConfigError(
+        f"--model: unknown provider {kind[:32]!r}; expected mock, stub[:OPTIONS] or openai:URL"
+    )
+
+
+def _options(label: str, text: str, sep: str, allowed: tuple[str, ...]) -> dict[str, str]:
+    options: dict[str, str] = {}
+    for item in text.split(sep) if text else []:
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not value.strip():
+            raise ConfigError(f"--model {label}: option {item!r} is not KEY=VALUE")
+        if key not in allowed:
+            raise ConfigError(
+                f"--model {label}: unknown option {key!r} (known: {', '.join(allowed)})"
+            )
+        if key in options:
+            raise ConfigError(f"--model {label}: option {key!r} given twice")
+        options[key] = value.strip()
+    return options
+
+
+def _duration(label: str, key: str, value: str) -> float:
+    match = _DURATION.fullmatch(value)
+    if match is None:
+        raise ConfigError(f"--model {label}: {key}={value!r} must be a duration like 300ms or 2s")
+    number = float(match.group(1))
+    return number / 1000 if match.group(2) == "ms" else number
+
+
+def _parse_stub(spec: str, rest: str) -> StubSpec:
+    options = _options(spec, rest, ",", ("ttft", "per_token", "tokens"))
+    defaults = StubSpec()
+    tokens = defaults.tokens
+    if "tokens" in options:
+        raw = options["tokens"]
+        if not raw.isascii() or not raw.isdigit() or not 1 <= int(raw) <= _MAX_STUB_TOKENS:
+            raise ConfigError(
+                f"--model {spec}: tokens={raw!r} must be an integer from 1 to {_MAX_STUB_TOKENS}"
+            )
+        tokens = int(raw)
+    return StubSpec(
+        ttft_s=_duration(spec, "ttft", options["ttft"]) if "ttft" in options else defaults.ttft_s,
+        per_token_s=(
+            _duration(spec, "per_token", options["per_token"])
+            if "per_token" in options
+            else defaults.per_token_s
+        ),
+        tokens=tokens,
+    )
+
+
+def _parse_openai(rest: str) -> OpenAISpec:
+    base, _, fragment = rest.partition("#")
+    base = base.strip().rstrip("/")
+    try:
+        url = httpx.URL(base)
+    except httpx.InvalidURL:
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.host:
+        raise ConfigError("--model openai:URL needs an http:// or https:// URL with a host")
+    # The URL may carry user-info; messages name it only without that part.
+    label = "openai:" + str(url.copy_with(username=None, password=None))
+    options = _options(label, fragment, "&", ("model", "key_env", "timeout"))
+    defaults = OpenAISpec(base_url=base)
+    key_env = options.get("key_env", defaults.api_key_env)
+    if not _ENV_NAME.fullmatch(key_env):
+        raise ConfigError(f"--model: key_env={key_env!r} is not an environment variable name")
+    timeout = defaults.timeout_s
+    if "timeout" in options:
+        timeout = _duration(label, "timeout", options["timeout"])
+        if timeout <= 0:
+            raise ConfigError("--model: timeout must be positive")
+    return OpenAISpec(
+        base_url=base,
+        model=options.get("model", defaults.model),
+        api_key_env=key_env,
+        timeout_s=timeout,
+    )
+
+
+def make_provider(spec: ModelSpec | str) -> ModelProvider:
+    """Build the provider a ``--model`` value names."""
+    if isinstance(spec, str):
+        spec = parse_model_spec(spec)
+    if isinstance(spec, MockSpec):
+        return MockModel()
+    if isinstance(spec, StubSpec):
+        return StubModel(spec.ttft_s, spec.per_token_s, spec.tokens)
+    return OpenAIModel(spec.base_url, spec.model, spec.api_key_env, spec.timeout_s)

@@ -1,0 +1,247 @@
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from fleet_sim.model_server import REQUESTS, ModelServerConfig, RequestLog, start_model_server
+from replica.errors import ConfigError
+from replica.model import (
+    ChatMessage,
+    Finish,
+    MockModel,
+    ModelError,
+    ModelEvent,
+    ModelHTTPError,
+    ModelProtocolError,
+    ModelStreamError,
+    ModelTimeout,
+    ModelUnavailable,
+    OpenAIModel,
+    TextDelta,
+    ToolCallEvent,
+    ToolSpec,
+)
+
+TOOLS = (
+    ToolSpec("bash", "run a shell command", {"type": "object", "required": ["command"]}),
+    ToolSpec("job_output", "read a job's output", {"type": "object"}),
+)
+KEY = "sk-proj-Zq81TESTKEYabcdefghijklmnop"
+
+
+@asynccontextmanager
+async def served_model(
+    config: ModelServerConfig | None = None, **client: object
+) -> AsyncIterator[tuple[OpenAIModel, RequestLog]]:
+    runner, url = await start_model_server("127.0.0.1", 0, config)
+    model = OpenAIModel(url, **client)  # type: ignore[arg-type]
+    try:
+        yield model, runner.app[REQUESTS]
+    finally:
+        await model.aclose()
+        await runner.cleanup()
+
+
+async def collect(
+    provider: OpenAIModel | MockModel, messages: Sequence[ChatMessage], max_tokens: int = 500
+) -> list[ModelEvent]:
+    return [e async for e in provider.stream(messages, TOOLS, max_tokens=max_tokens)]
+
+
+def user(text: str) -> list[ChatMessage]:
+    return [ChatMessage("user", text)]
+
+
+@pytest.fixture(autouse=True)
+def no_ambient_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+
+
+@pytest.mark.anyio
+async def test_text_stream_matches_the_mock_model_with_usage() -> None:
+    messages = [ChatMessage("system", "terse"), *user("words: 30\ndescribe the fence")]
+    async with served_model() as (model, log):
+        events = await collect(model, messages)
+    assert events == await collect(MockModel(), messages)
+    assert sum(isinstance(e, TextDelta) for e in events) == 30
+    finish = events[-1]
+    assert isinstance(finish, Finish)
+    assert (finish.reason, finish.completion_tokens) == ("stop", 30)
+    assert finish.prompt_tokens > 0
+    [sent] = log.recent
+    assert sent.body["stream"] is True
+    assert sent.body["stream_options"] == {"include_usage": True}
+    assert sent.body["max_tokens"] == 500
+    assert [t["function"]["name"] for t in sent.body["tools"]] == ["bash", "job_output"]
+    assert not sent.had_authorization
+
+
+@pytest.mark.anyio
+async def test_tool_calls_are_reassembled_from_fragments_and_round_trip() -> None:
+    prompt = user("calls: parallel\nrun: grep -rn 'fn main' src | head -5\nread: j-42 128")
+    async with served_model() as (model, log):
+        first = await collect(model, prompt)
+        calls = tuple(e.call for e in first if isinstance(e, ToolCallEvent))
+        history = [
+            *prompt,
+            ChatMessage("assistant", "", calls),
+            ChatMessage("tool", "src/main.rs:1:fn main() {\nmore", tool_call_id=calls[0].id),
+            ChatMessage("tool", "job output", tool_call_id=calls[1].id),
+        ]
+        second = await collect(model, history)
+    assert first == await collect(MockModel(), prompt)
+    assert [json.loads(c.arguments) for c in calls] == [
+        {"command": "grep -rn 'fn main' src | head -5"},
+        {"job_id": "j-42", "offset": 128},
+    ]
+    assert isinstance(first[-1], Finish) and first[-1].reason == "tool_calls"
+    text = "".join(e.text for e in second if isinstance(e, TextDelta))
+    assert text == "result: src/main.rs:1:fn main() { | job output"
+    sent = log.recent[-1].body["messages"]
+    assert sent[1]["tool_calls"][1]["function"]["name"] == "job_output"
+    assert sent[2]["tool_call_id"] == calls[0].id
+
+
+@pytest.mark.anyio
+async def test_max_tokens_reaches_the_server_and_finishes_with_length() -> None:
+    async with served_model() as (model, _):
+        events = await collect(model, user("words: 40\nx"), max_tokens=5)
+    assert events[-1] == Finish("length", 3, 5)
+
+
+@pytest.mark.anyio
+async def test_http_error_becomes_model_http_error() -> None:
+    async with served_model() as (model, _):
+        with pytest.raises(ModelHTTPError) as info:
+            await collect(model, user("error: 503"))
+    assert info.value.status == 503
+    assert info.value.retryable
+    assert "503" in str(info.value)
+
+
+@pytest.mark.anyio
+async def test_server_closing_mid_stream_is_a_stream_error() -> None:
+    got: list[ModelEvent] = []
+    async with served_model() as (model, _):
+        with pytest.raises(ModelStreamError):
+            async for event in model.stream(user("words: 20\nhangup: 4"), TOOLS, max_tokens=99):
+                got.append(event)
+        # The client survives a broken stream: the next call on it works.
+        after = await collect(model, user("again"))
+    assert len(got) == 4
+    assert after[-1] == Finish("stop", 1, 2)
+
+
+@pytest.mark.anyio
+async def test_slow_first_token_times_out() -> None:
+    async with served_model(ModelServerConfig(ttft_s=2.0), timeout=0.2) as (model, _):
+        started = time.monotonic()
+        with pytest.raises(ModelTimeout):
+            await collect(model, user("hi"))
+    assert time.monotonic() - started >= 0.2
+
+
+@pytest.mark.anyio
+async def test_refused_connection_is_unavailable() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    model = OpenAIModel(f"http://127.0.0.1:{port}/v1", timeout=5)
+    try:
+        with pytest.raises(ModelUnavailable) as info:
+            await collect(model, user("hi"))
+    finally:
+        await model.aclose()
+    assert info.value.retryable
+
+
+@pytest.mark.anyio
+async def test_api_key_comes_from_env_and_never_shows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEET_TEST_KEY", KEY)
+    config = ModelServerConfig(api_key=KEY)
+    async with served_model(config, api_key_env="FLEET_TEST_KEY") as (model, log):
+        events = await collect(model, user("hi"))
+        assert KEY not in repr(model)
+    assert events[-1] == Finish("stop", 1, 2)
+    assert log.recent[-1].had_authorization
+
+    monkeypatch.setenv("FLEET_TEST_KEY", "sk-wrong-" + KEY[-12:])
+    async with served_model(config, api_key_env="FLEET_TEST_KEY") as (model, _):
+        with pytest.raises(ModelHTTPError) as info:
+            await collect(model, user("hi"))
+    assert info.value.status == 401
+    assert not info.value.retryable
+    assert KEY[-12:] not in str(info.value) + repr(info.value)
+
+
+@pytest.mark.anyio
+async def test_key_echoed_by_a_server_is_redacted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers["authorization"])
+        message = f"Incorrect API key provided: {request.headers['authorization'][7:]}"
+        return httpx.Response(401, json={"error": {"message": message}})
+
+    model = OpenAIModel("http://127.0.0.1:1/v1", transport=httpx.MockTransport(handler))
+    with pytest.raises(ModelHTTPError) as info:
+        await collect(model, user("hi"))
+    await model.aclose()
+    assert seen == ["Bearer " + KEY]
+    assert "Incorrect API key provided" in str(info.value)
+    assert KEY not in str(info.value)
+    assert info.value.__cause__ is None and info.value.__context__ is None
+
+
+def test_unusable_key_is_refused_without_showing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-has space")
+    with pytest.raises(ConfigError) as info:
+        OpenAIModel("http://127.0.0.1:1/v1")
+    assert "OPENAI_API_KEY" in str(info.value)
+    assert "has space" not in str(info.value)
+
+
+def test_repr_hides_url_credentials() -> None:
+    model = OpenAIModel("http://user:hunter2@127.0.0.1:1/v1")
+    assert "hunter2" not in repr(model)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("status", "headers", "body", "error"),
+    [
+        (200, {"content-type": "text/event-stream"}, b"data: {not json\n\n", ModelProtocolError),
+        (200, {"content-type": "application/json"}, b'{"choices": []}', ModelProtocolError),
+        (
+            200,
+            {"content-type": "text/event-stream"},
+            b'data: {"choices": []}\n\n',
+            ModelStreamError,
+        ),
+        (
+            200,
+            {"content-type": "text/event-stream"},
+            b'data: {"error": {"message": "overloaded"}}\n\n',
+            ModelStreamError,
+        ),
+        (429, {"retry-after": "7"}, b"slow down", ModelHTTPError),
+    ],
+)
+async def test_malformed_or_failed_responses_raise_model_errors(
+    status: int, headers: dict[str, str], body: bytes, error: type[ModelError]
+) -> None:
+    transport = httpx.MockTransport(lambda _: httpx.Response(status, headers=headers, content=body))
+    model = OpenAIModel("http://127.0.0.1:1/v1", transport=transport)
+    with pytest.raises(error) as info:
+        await collect(model, user("hi"))
+    await model.aclose()
+    if isinstance(info.value, ModelHTTPError):
+        assert (info.value.status, info.value.retry_after) == (429, 7.0)
+        assert "slow down" in str(info.value)
