@@ -1,5 +1,9 @@
 """``fleet-replica``: the replica's command line.
 
+``fleet-replica serve --service ...`` runs a replica (flags are checked before anything listens;
+see ``replica.config``). Once listening it prints one JSON line, ``{"event": "listening", "url":
+..., "metrics_url": ...}``, so a supervisor can find it.
+
 ``fleet-replica store verify SESSION_DIR --dek-file FILE`` opens every sealed record of one
 session, checks the epoch chain and the seals, and prints what it found. Exit status: 0 when the
 history verifies, 1 when it does not (the message says where), 2 for bad usage.
@@ -9,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from replica.agent import DEFAULT_BUDGET, TurnBudget
 from replica.errors import ConfigError, CorruptHistory, InvalidName, StorageUnavailable
 from replica.history import History, read_history
 from replica.keyfiles import read_key_file
@@ -46,7 +53,110 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--tenant", help="tenant (default: read from SESSION_DIR's path)")
     verify.add_argument("--session", help="session id (default: SESSION_DIR's name)")
     verify.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _add_serve(commands)
     return parser
+
+
+def _add_serve(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="run a replica of the fleet",
+        description="Serve coding-agent sessions as one replica of a multi-tenant fleet.",
+    )
+    add = serve.add_argument
+    add("--service", action="store_true", help="run as a fleet replica (required)")
+    add("--listen", required=True, metavar="HOST:PORT", help="tenant-facing listener")
+    add(
+        "--shard",
+        action="append",
+        default=[],
+        metavar="NAME=/abs/path",
+        help="a mounted shard (repeatable); NAME is slice-qualified, e.g. a07-s3",
+    )
+    add(
+        "--grant-key",
+        action="append",
+        default=[],
+        metavar="KID=PUBKEY",
+        help="a control-plane grant verification key (repeatable)",
+    )
+    add("--seal-key", type=Path, metavar="FILE", help="the fleet's X25519 private key file")
+    add("--notify-key", type=Path, metavar="FILE", help="the job-end notify token key file")
+    add("--notify-origin", metavar="URL", help="origin sandboxes reach the fleet at")
+    add("--lifecycle-url", metavar="URL", help="where lifecycle events are POSTed")
+    add(
+        "--model",
+        default="mock",
+        help="mock | stub:ttft=300ms,per_token=12ms,tokens=200 | "
+        "openai:http://host:port/v1[#model=NAME] (default: mock)",
+    )
+    add("--max-live-sessions", type=int, default=20_000, metavar="N")
+    add(
+        "--session-idle-timeout",
+        type=float,
+        metavar="S",
+        help="close a detached, idle session after S seconds (default 60)",
+    )
+    add(
+        "--drain-grace",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="on SIGTERM, let running turns finish for up to S seconds (default 0)",
+    )
+    add("--metrics-listen", metavar="127.0.0.1:PORT", help="loopback-only Prometheus listener")
+    add("--name", default="replica", help="this replica's name (logs, segment headers)")
+    add("--turn-max-steps", type=int, default=DEFAULT_BUDGET.max_steps, metavar="N")
+    add("--turn-max-tokens", type=int, default=DEFAULT_BUDGET.max_tokens, metavar="N")
+    add("--turn-max-seconds", type=float, default=DEFAULT_BUDGET.max_seconds, metavar="S")
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from replica.config import build_config  # imported here: verify needs none of the service
+    from replica.service import Bound, ReplicaService
+
+    try:
+        if min(args.turn_max_steps, args.turn_max_tokens) < 1 or args.turn_max_seconds <= 0:
+            raise ConfigError("turn budgets must be positive")
+        config = build_config(
+            service=args.service,
+            listen=args.listen,
+            shards=args.shard,
+            grant_keys=args.grant_key,
+            seal_key=args.seal_key,
+            notify_key=args.notify_key,
+            notify_origin=args.notify_origin,
+            lifecycle_url=args.lifecycle_url,
+            model=args.model,
+            max_live_sessions=args.max_live_sessions,
+            session_idle_timeout=args.session_idle_timeout,
+            drain_grace=args.drain_grace,
+            metrics_listen=args.metrics_listen,
+            name=args.name,
+            budget=TurnBudget(args.turn_max_steps, args.turn_max_tokens, args.turn_max_seconds),
+        )
+    except (ConfigError, InvalidName) as exc:
+        print(f"fleet-replica: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    def ready(bound: Bound) -> None:
+        print(
+            json.dumps({"event": "listening", "url": bound.url, "metrics_url": bound.metrics_url}),
+            flush=True,
+        )
+
+    import uvloop
+
+    try:
+        uvloop.run(ReplicaService(config).run(ready))
+    except OSError as exc:
+        print(f"fleet-replica: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _names_from(args: argparse.Namespace) -> tuple[str, str]:
@@ -148,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "store" and args.store_command == "verify":
         return _verify(args)
+    if args.command == "serve":
+        return _serve(args)
     return 2
 
 

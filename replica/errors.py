@@ -6,6 +6,10 @@ one HTTP status::
 
     ReplicaError
     ├── InvalidName            a tenant, shard or session id that is not safe to use   -> 400
+    ├── BadRequest             a malformed command, body or query                      -> 400
+    ├── Forbidden              the grant verified but does not cover this request      -> 403
+    ├── Misdirected            this replica does not mount the session's shard          -> 421
+    ├── Unavailable            retry later: at capacity, draining, previous task exiting -> 503
     ├── GrantError             the x-beyond-grant header did not verify                -> 401
     │   ├── GrantMalformed     not a JWT, too large, bad header or encoding
     │   ├── GrantUnknownKid    signed with a key id this replica does not know
@@ -19,7 +23,9 @@ one HTTP status::
     │   ├── Fenced             this owner was superseded and may never write again
     │   ├── CorruptHistory     a seal, a chain link or a record failed verification
     │   └── StorageUnavailable the shard is missing, read-only or failing
-    └── ConfigError            a flag or file given at start-up is unusable
+    ├── ConfigError            a flag or file given at start-up is unusable
+    ├── ModelError             a model call failed (tree in replica/model_types.py)
+    └── NotifyTokenError       a job-end notify token is malformed or forged (replica/notify.py)
 
 Messages never carry a key, a grant, a token or message text: they are safe to log.
 """
@@ -33,6 +39,28 @@ class ReplicaError(Exception):
 
 class InvalidName(ReplicaError):
     """A tenant, shard or session id failed the strict parser."""
+
+
+class BadRequest(ReplicaError):
+    """A command, body or query the replica cannot use; answered 400 or an error frame."""
+
+
+class Forbidden(ReplicaError):
+    """The grant is genuine but names another session or tenant."""
+
+
+class Misdirected(ReplicaError):
+    """The session's shard is not mounted here: the edge routed it to the wrong slice."""
+
+
+class Unavailable(ReplicaError):
+    """The session cannot be placed here right now; the service answers 503 + Retry-After.
+
+    ``reason`` is the metric label (capacity, draining, exiting, storage)."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class GrantError(ReplicaError):

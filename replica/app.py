@@ -1,0 +1,327 @@
+"""The replica's HTTP surface: ``/_beyond/agent`` (WebSocket and POST), the SSE event stream,
+and the probes.
+
+Every request for a session passes the same gate, in this order: the grant (401), a session id
+(400), the grant covering that id and tenant (403), a well-formed id (400), a mounted shard (421),
+and only then placement, which may answer 503 + ``Retry-After: 1`` (lock held elsewhere, at the
+live-session cap, draining, previous task exiting). Each refusal is a real HTTP status with a
+readable body, sent before any WebSocket upgrade.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from sse_starlette.event import ServerSentEvent
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.datastructures import QueryParams
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from replica import protocol
+from replica.commands import CommandDeps, handle
+from replica.errors import (
+    BadRequest,
+    CorruptHistory,
+    Forbidden,
+    GrantError,
+    InvalidName,
+    LockHeld,
+    LockLost,
+    Misdirected,
+    ReplicaError,
+    StorageUnavailable,
+    Unavailable,
+)
+from replica.grants import Grant, GrantVerifier, verify_grant
+from replica.live import LiveSession, Outgoing
+from replica.names import parse_session_id, parse_tenant
+from replica.probes import Readiness
+from replica.transcript import UnknownMessage
+
+log = logging.getLogger("replica.app")
+
+GRANT_HEADER = "x-beyond-grant"
+WS_CLOSE_LAGGED = 1013
+WS_CLOSE_GOING_AWAY = 1001
+
+
+class Refusal(Exception):
+    """A request answered with an HTTP status instead of being served."""
+
+    def __init__(
+        self, status: int, reason: str, metric: str, session_id: str | None = None
+    ) -> None:
+        super().__init__(reason)
+        self.status, self.reason, self.metric, self.session_id = status, reason, metric, session_id
+
+    def response(self) -> Response:
+        headers = {"Retry-After": "1"} if self.status == 503 else {}
+        if self.session_id:
+            headers["X-Session-Id"] = self.session_id
+        return PlainTextResponse(self.reason + "\n", self.status, headers=headers)
+
+
+def refusal_for(exc: ReplicaError, session_id: str | None = None) -> Refusal:
+    """The one mapping from the replica's errors to HTTP statuses."""
+    if isinstance(exc, GrantError):
+        return Refusal(401, f"grant refused: {exc}", "auth", session_id)
+    if isinstance(exc, BadRequest | InvalidName):
+        return Refusal(400, str(exc), "bad_request", session_id)
+    if isinstance(exc, Forbidden):
+        return Refusal(403, str(exc), "forbidden", session_id)
+    if isinstance(exc, Misdirected):
+        return Refusal(421, str(exc), "misdirected", session_id)
+    if isinstance(exc, LockHeld):
+        return Refusal(
+            503, "that session is open on another replica; retry", "unavailable", session_id
+        )
+    if isinstance(exc, Unavailable):
+        return Refusal(503, str(exc), exc.reason, session_id)
+    if isinstance(exc, StorageUnavailable | LockLost):
+        return Refusal(
+            503, f"session storage is unavailable here; retry ({exc})", "storage", session_id
+        )
+    if isinstance(exc, CorruptHistory):
+        return Refusal(
+            500, f"the session's history failed verification: {exc}", "corrupt", session_id
+        )
+    return Refusal(500, "internal error", "corrupt", session_id)
+
+
+class ReplicaApp:
+    def __init__(
+        self,
+        *,
+        verifier: GrantVerifier,
+        deps: CommandDeps,
+        readiness: Readiness,
+        keepalive_s: float = 15.0,
+    ) -> None:
+        self.verifier = verifier
+        self.deps = deps
+        self.registry = deps.registry
+        self.metrics = deps.metrics
+        self.readiness = readiness
+        self.keepalive_s = keepalive_s
+        self.app = Starlette(
+            routes=[
+                Route("/_beyond/agent", self.post_agent, methods=["POST"]),
+                WebSocketRoute("/_beyond/agent", self.ws_agent),
+                Route("/_beyond/agent/events", self.sse_events, methods=["GET"]),
+                Route("/livez", self.livez, methods=["GET"]),
+                Route("/readyz", self.readyz, methods=["GET"]),
+            ]
+        )
+
+    # -- the gate ---------------------------------------------------------------------------
+
+    def authorize(self, headers: Mapping[str, str], query: QueryParams) -> Grant:
+        token = headers.get(GRANT_HEADER)
+        if token is None:
+            raise Refusal(401, f"no grant: send the {GRANT_HEADER} header", "auth")
+        try:
+            grant = verify_grant(self.verifier, token)
+        except GrantError as exc:
+            raise refusal_for(exc) from None
+        ids = query.getlist("session_id")
+        if not ids:
+            raise Refusal(400, "no session_id in the query", "bad_request")
+        if len(ids) > 1:
+            raise Refusal(400, "session_id is given more than once", "bad_request")
+        sid = ids[0]
+        if sid != str(grant.session):
+            raise Refusal(403, "the grant is for another session", "forbidden")
+        tenants = query.getlist("tenant")
+        if len(tenants) > 1 or (tenants and tenants[0] != grant.tenant):
+            raise Refusal(403, "the grant is for another tenant", "forbidden", sid)
+        try:
+            parse_session_id(sid)
+            parse_tenant(grant.tenant)
+            self.registry.store_for(grant.session.shard)
+        except ReplicaError as exc:
+            raise refusal_for(exc, sid) from None
+        return grant
+
+    async def place(self, grant: Grant) -> LiveSession:
+        try:
+            return await self.registry.place(grant)
+        except ReplicaError as exc:
+            raise refusal_for(exc, str(grant.session)) from None
+
+    def refused(self, refusal: Refusal) -> Response:
+        self.metrics.refuse(refusal.metric)
+        if refusal.status >= 500:
+            log.info("refused %d: %s", refusal.status, refusal.reason)
+        return refusal.response()
+
+    # -- POST -------------------------------------------------------------------------------
+
+    async def post_agent(self, request: Request) -> Response:
+        length = request.headers.get("content-length")
+        if length is None:
+            return self.refused(Refusal(411, "a command needs a Content-Length", "length_required"))
+        if not length.isdigit() or int(length) > protocol.MAX_COMMAND_BYTES:
+            return self.refused(Refusal(413, "the command is too large", "too_large"))
+        try:
+            grant = self.authorize(request.headers, request.query_params)
+            sid = str(grant.session)
+            try:
+                command = protocol.parse_command(await request.body())
+            except BadRequest as exc:
+                raise refusal_for(exc, sid) from None
+            if command.type == "job_ended":
+                raise Refusal(
+                    400, "job_ended is sent by sandboxes with a notify token", "bad_request", sid
+                )
+            live = await self.place(grant)
+        except Refusal as refusal:
+            return self.refused(refusal)
+        live.hold()
+        try:
+            frames = await handle(live, command, self.deps)
+        finally:
+            live.unhold()
+        frame = frames[0]
+        status = 200
+        if command.type == "prompt":
+            status = 202 if frame["type"] == "ack" else 409
+        return JSONResponse(frame, status, headers={"X-Session-Id": sid})
+
+    # -- WebSocket --------------------------------------------------------------------------
+
+    async def ws_agent(self, websocket: WebSocket) -> None:
+        try:
+            grant = self.authorize(websocket.headers, websocket.query_params)
+            live = await self.place(grant)
+            try:
+                catchup = live.catchup(websocket.query_params.get("since"))
+            except UnknownMessage:
+                raise Refusal(
+                    409, "unknown message id in 'since'", "bad_request", live.session_id
+                ) from None
+        except Refusal as refusal:
+            await websocket.send_denial_response(self.refused(refusal))
+            return
+        await websocket.accept(headers=[(b"x-session-id", live.session_id.encode())])
+        subscriber = live.attach("ws")
+        subscriber.offer(Outgoing(protocol.dumps(catchup)))
+        self.metrics.streams_open.labels("ws").inc()
+        try:
+            await _first_done(
+                self._ws_reader(websocket, live, subscriber), self._ws_writer(websocket, subscriber)
+            )
+        finally:
+            live.detach(subscriber)
+            self.metrics.streams_open.labels("ws").dec()
+            code = WS_CLOSE_LAGGED if subscriber.lagged else WS_CLOSE_GOING_AWAY
+            with contextlib.suppress(Exception):
+                await websocket.close(code)
+
+    async def _ws_reader(self, websocket: WebSocket, live: LiveSession, subscriber: Any) -> None:
+        try:
+            while True:
+                message = await websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                raw = message.get("text")
+                if raw is None:
+                    raw = message.get("bytes") or b""
+                try:
+                    command = protocol.parse_command(raw)
+                except BadRequest as exc:
+                    subscriber.offer(Outgoing(protocol.dumps(protocol.error(str(exc)))))
+                    continue
+                if command.type == "job_ended":
+                    frames = [protocol.failure(command, "job_ended is sent by sandboxes")]
+                else:
+                    frames = await handle(live, command, self.deps)
+                for frame in frames:
+                    subscriber.offer(Outgoing(protocol.dumps(frame)))
+        except WebSocketDisconnect:
+            return
+
+    async def _ws_writer(self, websocket: WebSocket, subscriber: Any) -> None:
+        while True:
+            item = await subscriber.next()
+            if item is None:
+                if subscriber.lagged:
+                    self.metrics.streams_lagged.labels("ws").inc()
+                    with contextlib.suppress(Exception):
+                        await websocket.send_text(protocol.dumps({"type": "reconnect"}))
+                return
+            await websocket.send_text(item.text)
+
+    # -- SSE --------------------------------------------------------------------------------
+
+    async def sse_events(self, request: Request) -> Response:
+        try:
+            grant = self.authorize(request.headers, request.query_params)
+            live = await self.place(grant)
+            since = request.headers.get("last-event-id") or request.query_params.get("since")
+            try:
+                catchup = live.catchup(since or None)
+            except UnknownMessage:
+                raise Refusal(
+                    409,
+                    "unknown event id: the session has no such message",
+                    "bad_request",
+                    live.session_id,
+                ) from None
+        except Refusal as refusal:
+            return self.refused(refusal)
+        subscriber = live.attach("sse")
+        self.metrics.streams_open.labels("sse").inc()
+
+        async def stream() -> AsyncIterator[ServerSentEvent]:
+            try:
+                yield ServerSentEvent(data=protocol.dumps(catchup), id=catchup["leaf_id"])
+                while True:
+                    item = await subscriber.next()
+                    if item is None:
+                        if subscriber.lagged:
+                            self.metrics.streams_lagged.labels("sse").inc()
+                            yield ServerSentEvent(event="reconnect", data="fell too far behind")
+                        return
+                    yield ServerSentEvent(data=item.text, id=item.event_id)
+            finally:
+                live.detach(subscriber)
+                self.metrics.streams_open.labels("sse").dec()
+
+        return EventSourceResponse(
+            stream(),
+            ping=self.keepalive_s,
+            ping_message_factory=lambda: ServerSentEvent(comment="keepalive"),
+            headers={
+                "X-Session-Id": live.session_id,
+                "Cache-Control": "no-store",
+                "X-Accel-Buffering": "no",
+            },
+        )
+
+    # -- probes -----------------------------------------------------------------------------
+
+    async def livez(self, request: Request) -> Response:
+        return PlainTextResponse("ok\n")
+
+    async def readyz(self, request: Request) -> Response:
+        ok, reason = await self.readiness.check()
+        return PlainTextResponse(reason + "\n", 200 if ok else 503)
+
+
+async def _first_done(*coroutines: Any) -> None:
+    """Run side by side; the first to finish cancels the rest (a supervised pair)."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,155 @@
+"""``fleet-replica serve`` configuration, parsed and checked once at start-up.
+
+Every flag is validated before anything listens: a relative shard path, a shard named twice, a
+grant key id given twice, ``--service`` without ``--notify-origin``, a routable
+``--metrics-listen``: each is refused with a message naming the flag, and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from replica.agent import TurnBudget
+from replica.errors import ConfigError, InvalidName
+from replica.keyfiles import parse_grant_key_arg, read_key_file, read_seal_key
+from replica.metrics import require_loopback
+from replica.model import ModelSpec, parse_model_spec
+from replica.names import Shard, parse_shard
+
+SERVICE_IDLE_TIMEOUT_S = 60.0
+DAEMON_IDLE_TIMEOUT_S = 3600.0
+
+
+def parse_hostport(value: str, flag: str) -> tuple[str, int]:
+    host, sep, port_text = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{flag} must be HOST:PORT, got {value!r}")
+    return host, int(port_text)
+
+
+def parse_origin(value: str, flag: str) -> str:
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{flag} must be an http(s) origin like http://10.0.0.5:8080")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise ConfigError(f"{flag} must be an origin: scheme, host and port only")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def parse_shard_args(values: Sequence[str]) -> dict[Shard, Path]:
+    shards: dict[Shard, Path] = {}
+    for value in values:
+        name, sep, path_text = value.partition("=")
+        if not sep:
+            raise ConfigError(f"--shard must be NAME=/abs/path, got {value!r}")
+        try:
+            shard = parse_shard(name)
+        except InvalidName as exc:
+            raise ConfigError(f"--shard {name!r}: {exc}") from None
+        path = Path(path_text)
+        if not path.is_absolute():
+            raise ConfigError(f"--shard {name}: path {path_text!r} must be absolute")
+        if shard in shards:
+            raise ConfigError(f"--shard {name} is given twice")
+        shards[shard] = path
+    if not shards:
+        raise ConfigError("at least one --shard NAME=/abs/path is required")
+    return shards
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    listen: tuple[str, int]
+    shards: Mapping[Shard, Path]
+    grant_keys: Mapping[str, Ed25519PublicKey] = field(repr=False)
+    seal_key: X25519PrivateKey = field(repr=False)
+    notify_key: bytes = field(repr=False)
+    notify_origin: str
+    lifecycle_url: str | None = None
+    model: ModelSpec = field(default_factory=lambda: parse_model_spec("mock"))
+    max_live_sessions: int = 20_000
+    session_idle_timeout_s: float = SERVICE_IDLE_TIMEOUT_S
+    drain_grace_s: float = 0.0
+    metrics_listen: tuple[str, int] | None = None
+    name: str = "replica"
+    lock_wait_s: float = 0.25
+    budget: TurnBudget = field(default_factory=TurnBudget)
+    audience: str = "beyond-fleet"
+    issuer: str = "beyond-control-plane"
+
+
+def build_config(
+    *,
+    service: bool,
+    listen: str,
+    shards: Sequence[str],
+    grant_keys: Sequence[str],
+    seal_key: Path | None,
+    notify_key: Path | None,
+    notify_origin: str | None,
+    lifecycle_url: str | None,
+    model: str,
+    max_live_sessions: int,
+    session_idle_timeout: float | None,
+    drain_grace: float,
+    metrics_listen: str | None,
+    name: str,
+    budget: TurnBudget,
+) -> ServeConfig:
+    if not service:
+        raise ConfigError("serve needs --service: the replica runs only as a fleet member")
+    if notify_origin is None:
+        raise ConfigError(
+            "--service needs --notify-origin URL: the address sandboxes reach the fleet at, "
+            "where job-end callbacks are sent (without it a reaped session's jobs end unheard)"
+        )
+    keys: dict[str, Ed25519PublicKey] = {}
+    for arg in grant_keys:
+        kid, key = parse_grant_key_arg(arg)
+        if kid in keys:
+            raise ConfigError(f"--grant-key {kid} is given twice")
+        keys[kid] = key
+    if not keys:
+        raise ConfigError("at least one --grant-key KID=PUBKEY is required")
+    if seal_key is None:
+        raise ConfigError("--seal-key FILE is required (the fleet's X25519 key)")
+    if notify_key is None:
+        raise ConfigError("--notify-key FILE is required (the key of job-end notify tokens)")
+    if max_live_sessions < 1:
+        raise ConfigError("--max-live-sessions must be at least 1")
+    idle = SERVICE_IDLE_TIMEOUT_S if session_idle_timeout is None else session_idle_timeout
+    if idle <= 0:
+        raise ConfigError("--session-idle-timeout must be positive")
+    if drain_grace < 0:
+        raise ConfigError("--drain-grace must not be negative")
+    metrics = None
+    if metrics_listen is not None:
+        metrics = parse_hostport(metrics_listen, "--metrics-listen")
+        require_loopback(metrics[0])
+    if lifecycle_url is not None:
+        parts = urllib.parse.urlsplit(lifecycle_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError("--lifecycle-url must be an http(s) URL")
+    return ServeConfig(
+        listen=parse_hostport(listen, "--listen"),
+        shards=parse_shard_args(shards),
+        grant_keys=keys,
+        seal_key=read_seal_key(seal_key),
+        notify_key=read_key_file(notify_key, what="notify key"),
+        notify_origin=parse_origin(notify_origin, "--notify-origin"),
+        lifecycle_url=lifecycle_url,
+        model=parse_model_spec(model),
+        max_live_sessions=max_live_sessions,
+        session_idle_timeout_s=idle,
+        drain_grace_s=drain_grace,
+        metrics_listen=metrics,
+        name=name,
+        budget=budget,
+    )

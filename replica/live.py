@@ -1,0 +1,232 @@
+"""A live session: the owned store session plus everyone watching it.
+
+Frames fan out to subscribers (WebSocket connections and SSE streams) through bounded per-reader
+queues; a reader that falls too far behind is dropped with a ``reconnect`` rather than allowed to
+grow memory. The frames of the turn in flight are kept (up to 4 MiB) so a reader that attaches
+mid-turn gets the turn replayed from its start. Each frame is serialised once, whoever reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from replica import protocol
+from replica.names import SessionId
+from replica.store import Committed, OwnedSession, Superseded
+from replica.transcript import Message
+
+REPLAY_CAP_BYTES = 4 * 1024 * 1024
+SUBSCRIBER_QUEUE_FRAMES = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    text: str
+    event_id: str | None = None  # set on committed frames: the SSE id
+
+
+class Subscriber:
+    """One reader's bounded queue. Overflow marks it lagged: it gets ``reconnect`` and is closed."""
+
+    __slots__ = ("_event", "_limit", "closed", "kind", "lagged", "queue")
+
+    def __init__(self, kind: str, limit: int = SUBSCRIBER_QUEUE_FRAMES) -> None:
+        self.kind = kind
+        self.queue: deque[Outgoing] = deque()
+        self._limit = limit
+        self._event = asyncio.Event()
+        self.lagged = False
+        self.closed = False
+
+    def offer(self, item: Outgoing) -> None:
+        if self.closed or self.lagged:
+            return
+        if len(self.queue) >= self._limit:
+            self.lagged = True
+            self.queue.clear()
+        else:
+            self.queue.append(item)
+        self._event.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._event.set()
+
+    async def next(self) -> Outgoing | None:
+        """The next frame, or None once the reader lagged or the session closed it."""
+        while not self.queue:
+            if self.lagged or self.closed:
+                return None
+            self._event.clear()
+            await self._event.wait()
+        return self.queue.popleft()
+
+
+@dataclass(slots=True)
+class TurnBuffer:
+    """The frames of the turn in flight, for replay to late readers; capped, with a flag."""
+
+    run_id: str
+    frames: list[Any] = field(default_factory=list)
+    size: int = 0
+    truncated: bool = False
+
+    def record(self, frame: dict[str, Any], text: str) -> None:
+        if self.truncated:
+            return
+        if self.size + len(text) > REPLAY_CAP_BYTES:
+            self.truncated = True
+            return
+        self.frames.append(frame)
+        self.size += len(text)
+
+
+class LiveState(enum.Enum):
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+    SUPERSEDED = "superseded"
+
+
+@dataclass(slots=True)
+class SessionContext:
+    """What the latest grant says about the session's sandbox; refreshed on each attach."""
+
+    exec_url: str
+    exec_headers: tuple[tuple[str, str], ...] = field(repr=False)
+    workspace_root: str
+    dek: bytes = field(repr=False)
+
+
+class LiveSession:
+    def __init__(
+        self,
+        tenant: str,
+        session: SessionId,
+        owned: OwnedSession,
+        context: SessionContext,
+        *,
+        run_io: Callable[..., Any],
+        on_superseded: Callable[[LiveSession], None],
+    ) -> None:
+        self.tenant = tenant
+        self.session = session
+        self.session_id = str(session)
+        self.owned = owned
+        self.context = context
+        self.state = LiveState.OPEN
+        self.subscribers: set[Subscriber] = set()
+        self.holds = 0  # POST commands in progress count as attachments
+        self.idle_since = time.monotonic()
+        self.turn: TurnBuffer | None = None
+        self.turn_task: asyncio.Task[None] | None = None
+        self.lock = asyncio.Lock()  # serialises commits and conversation changes
+        self._run_io = run_io
+        self._on_superseded = on_superseded
+
+    # -- attachment -------------------------------------------------------------------------
+
+    @property
+    def attached(self) -> int:
+        return len(self.subscribers) + self.holds
+
+    @property
+    def running(self) -> bool:
+        return self.turn_task is not None and not self.turn_task.done()
+
+    def attach(self, kind: str) -> Subscriber:
+        subscriber = Subscriber(kind)
+        self.subscribers.add(subscriber)
+        return subscriber
+
+    def detach(self, subscriber: Subscriber) -> None:
+        subscriber.close()
+        self.subscribers.discard(subscriber)
+        self.touch()
+
+    def hold(self) -> None:
+        self.holds += 1
+
+    def unhold(self) -> None:
+        self.holds -= 1
+        self.touch()
+
+    def touch(self) -> None:
+        self.idle_since = time.monotonic()
+
+    def reapable(self, now: float, idle_timeout: float) -> bool:
+        return (
+            self.state is LiveState.OPEN
+            and self.attached == 0
+            and not self.running
+            and now - self.idle_since >= idle_timeout
+        )
+
+    # -- frames -----------------------------------------------------------------------------
+
+    def publish(self, frame: dict[str, Any]) -> None:
+        text = protocol.dumps(frame)
+        event_id = frame["leaf_id"] if frame["type"] == "committed" else None
+        if self.turn is not None and frame["type"] != "committed":
+            self.turn.record(frame, text)
+        item = Outgoing(text, event_id)
+        for subscriber in self.subscribers:
+            subscriber.offer(item)
+
+    def catchup(self, since: str | None) -> dict[str, Any]:
+        """The committed transcript (after ``since``) and the turn in flight, replayed from its
+        start. Raises ``transcript.UnknownMessage`` for an id the session does not have."""
+        transcript = self.owned.transcript
+        messages = [m.to_wire() for m in transcript.since(since)]
+        turn = self.turn
+        return protocol.catchup(
+            messages,
+            transcript.leaf_id,
+            list(turn.frames) if turn else [],
+            turn.truncated if turn else False,
+        )
+
+    # -- durability -------------------------------------------------------------------------
+
+    async def commit(self, batch: Sequence[Message]) -> Committed | None:
+        """Commit a batch off the event loop; publish ``committed`` or handle being fenced.
+        Returns None when this replica no longer owns the session."""
+        if self.state is not LiveState.OPEN and self.state is not LiveState.CLOSING:
+            return None
+        async with self.lock:
+            outcome = await self._run_io(self.owned.commit, list(batch))
+        return self._after(outcome)
+
+    async def reset(self, archived_to: str | None) -> Committed | None:
+        async with self.lock:
+            outcome = await self._run_io(self.owned.reset, archived_to)
+        return self._after(outcome)
+
+    def _after(self, outcome: Committed | Superseded) -> Committed | None:
+        if isinstance(outcome, Superseded):
+            self.supersede()
+            return None
+        self.publish(protocol.committed(outcome.leaf_id))
+        return outcome
+
+    def supersede(self) -> None:
+        """Another owner has taken the session: say so to every reader and stop."""
+        if self.state is LiveState.SUPERSEDED:
+            return
+        self.state = LiveState.SUPERSEDED
+        self.publish(protocol.superseded(self.session_id))
+        for subscriber in self.subscribers:
+            subscriber.close()
+        if self.turn_task is not None and self.turn_task is not asyncio.current_task():
+            self.turn_task.cancel()
+        self._on_superseded(self)
+
+    def close_readers(self) -> None:
+        for subscriber in list(self.subscribers):
+            subscriber.close()

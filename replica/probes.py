@@ -1,0 +1,131 @@
+"""Readiness: is every mounted shard present, writable and answering?
+
+A probe writes, fsyncs and removes a small file on each shard. It runs in its own thread because a
+hung mount blocks the calling thread in the kernel and nothing can interrupt it; what keeps that
+from leaking threads is single flight: while a shard's probe is still stuck, later checks reuse
+its verdict ("hanging") instead of starting another thread. So a dead mount costs one thread per
+shard, however long it stays dead and however often readiness is asked. Results are cached
+briefly and every check has a deadline, so ``/readyz`` answers within about a second regardless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+PROBE_DIR = ".beyond-probe"
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    ok: bool
+    reason: str
+    seconds: float
+
+
+def write_probe(root: Path, owner: str) -> None:
+    """One round trip to the storage server: create, write, fsync, remove."""
+    if not root.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "shard root is missing")
+    directory = root / PROBE_DIR
+    directory.mkdir(exist_ok=True)
+    path = directory / f"{owner}.{os.getpid()}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, b"probe")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    path.unlink()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        if exc.errno == errno.EROFS:
+            return "read-only"
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ESTALE):
+            return "missing"
+        return f"failing ({errno.errorcode.get(exc.errno or 0, 'error')})"
+    return "failing"
+
+
+class ShardProbe:
+    def __init__(
+        self,
+        name: str,
+        root: Path,
+        owner: str,
+        *,
+        cache_s: float = 2.0,
+        deadline_s: float = 1.0,
+        probe: Callable[[Path, str], None] = write_probe,
+        observe: Callable[[float], None] = lambda seconds: None,
+    ) -> None:
+        self.name, self.root, self.owner = name, root, owner
+        self.cache_s, self.deadline_s = cache_s, deadline_s
+        self._probe = probe
+        self._observe = observe
+        self._inflight: asyncio.Future[float] | None = None
+        self._started = 0.0
+        self._cached: tuple[float, ProbeResult] | None = None
+
+    def _start(self) -> asyncio.Future[float]:
+        future: Future[float] = Future()
+
+        def body() -> None:
+            started = time.monotonic()
+            try:
+                self._probe(self.root, self.owner)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(time.monotonic() - started)
+
+        threading.Thread(target=body, name=f"probe-{self.name}", daemon=True).start()
+        return asyncio.wrap_future(future)
+
+    async def check(self) -> ProbeResult:
+        now = time.monotonic()
+        if self._cached is not None and now - self._cached[0] < self.cache_s:
+            return self._cached[1]
+        if self._inflight is None or self._inflight.done():
+            self._inflight, self._started = self._start(), now
+        inflight, started = self._inflight, self._started
+        try:
+            seconds = await asyncio.wait_for(
+                asyncio.shield(inflight),
+                max(0.0, self.deadline_s - (time.monotonic() - now)),
+            )
+            result = ProbeResult(True, "ok", seconds)
+            self._observe(seconds)
+        except TimeoutError:
+            stuck = time.monotonic() - started
+            result = ProbeResult(False, f"shard {self.name} is hanging ({stuck:.1f}s)", stuck)
+        except Exception as exc:
+            result = ProbeResult(
+                False, f"shard {self.name} is {_describe(exc)}", time.monotonic() - now
+            )
+        self._cached = (time.monotonic(), result)
+        return result
+
+
+class Readiness:
+    """All shards' probes plus the replica's own state (draining makes it unready)."""
+
+    def __init__(self, probes: list[ShardProbe], draining: Callable[[], bool]) -> None:
+        self.probes = probes
+        self._draining = draining
+
+    async def check(self) -> tuple[bool, str]:
+        if self._draining():
+            return False, "draining"
+        results = await asyncio.gather(*(p.check() for p in self.probes))
+        bad = [r.reason for r in results if not r.ok]
+        return (not bad, "; ".join(bad) if bad else "ready")
