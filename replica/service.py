@@ -161,6 +161,7 @@ class ReplicaService:
                 lifespan="off",
                 log_level="warning",
                 access_log=False,
+                ws="wsproto",  # uvicorn's sansio websockets logs an error on every denial
                 ws_max_size=WS_MAX_BYTES,
                 ws_ping_interval=None,
                 timeout_graceful_shutdown=5,
