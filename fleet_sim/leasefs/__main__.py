@@ -1,0 +1,3 @@
+from fleet_sim.leasefs.daemon import main
+
+raise SystemExit(main())
