@@ -42,7 +42,7 @@ class TurnBudget:
     max_steps: int = 16
     max_tokens: int = 32_000
     max_seconds: float = 600.0
-    max_tokens_per_call: int = 4_096
+    max_tokens_per_call: int = 16_384
 
 
 DEFAULT_BUDGET = TurnBudget()

@@ -108,7 +108,28 @@ def _add_serve(commands: Any) -> None:
     add("--name", default="replica", help="this replica's name (logs, segment headers)")
     add("--turn-max-steps", type=int, default=DEFAULT_BUDGET.max_steps, metavar="N")
     add("--turn-max-tokens", type=int, default=DEFAULT_BUDGET.max_tokens, metavar="N")
+    add(
+        "--turn-max-tokens-per-call",
+        type=int,
+        default=DEFAULT_BUDGET.max_tokens_per_call,
+        metavar="N",
+        help="max_tokens asked of the model in one call",
+    )
     add("--turn-max-seconds", type=float, default=DEFAULT_BUDGET.max_seconds, metavar="S")
+    add(
+        "--sse-keepalive",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="seconds between SSE keepalive comments (default 15)",
+    )
+    add(
+        "--stream-queue-frames",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="frames a WebSocket or SSE reader may fall behind before it is told to reconnect",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -117,7 +138,10 @@ def _serve(args: argparse.Namespace) -> int:
     from replica.service import Bound, ReplicaService
 
     try:
-        if min(args.turn_max_steps, args.turn_max_tokens) < 1 or args.turn_max_seconds <= 0:
+        if (
+            min(args.turn_max_steps, args.turn_max_tokens, args.turn_max_tokens_per_call) < 1
+            or args.turn_max_seconds <= 0
+        ):
             raise ConfigError("turn budgets must be positive")
         config = build_config(
             service=args.service,
@@ -134,7 +158,14 @@ def _serve(args: argparse.Namespace) -> int:
             drain_grace=args.drain_grace,
             metrics_listen=args.metrics_listen,
             name=args.name,
-            budget=TurnBudget(args.turn_max_steps, args.turn_max_tokens, args.turn_max_seconds),
+            budget=TurnBudget(
+                args.turn_max_steps,
+                args.turn_max_tokens,
+                args.turn_max_seconds,
+                args.turn_max_tokens_per_call,
+            ),
+            keepalive_s=args.sse_keepalive,
+            stream_queue_frames=args.stream_queue_frames,
         )
     except (ConfigError, InvalidName) as exc:
         print(f"fleet-replica: {exc}", file=sys.stderr)

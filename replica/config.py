@@ -81,6 +81,8 @@ class ServeConfig:
     name: str = "replica"
     lock_wait_s: float = 0.25
     budget: TurnBudget = field(default_factory=TurnBudget)
+    keepalive_s: float = 15.0
+    stream_queue_frames: int = 2048
     audience: str = "beyond-fleet"
     issuer: str = "beyond-control-plane"
 
@@ -102,6 +104,8 @@ def build_config(
     metrics_listen: str | None,
     name: str,
     budget: TurnBudget,
+    keepalive_s: float = 15.0,
+    stream_queue_frames: int = 2048,
 ) -> ServeConfig:
     if not service:
         raise ConfigError("serve needs --service: the replica runs only as a fleet member")
@@ -127,6 +131,10 @@ def build_config(
     idle = SERVICE_IDLE_TIMEOUT_S if session_idle_timeout is None else session_idle_timeout
     if idle <= 0:
         raise ConfigError("--session-idle-timeout must be positive")
+    if keepalive_s <= 0:
+        raise ConfigError("--sse-keepalive must be positive")
+    if stream_queue_frames < 1:
+        raise ConfigError("--stream-queue-frames must be at least 1")
     if drain_grace < 0:
         raise ConfigError("--drain-grace must not be negative")
     metrics = None
@@ -152,4 +160,6 @@ def build_config(
         metrics_listen=metrics,
         name=name,
         budget=budget,
+        keepalive_s=keepalive_s,
+        stream_queue_frames=stream_queue_frames,
     )

@@ -114,6 +114,7 @@ class LiveSession:
         *,
         run_io: Callable[..., Any],
         on_superseded: Callable[[LiveSession], None],
+        queue_frames: int = SUBSCRIBER_QUEUE_FRAMES,
     ) -> None:
         self.tenant = tenant
         self.session = session
@@ -128,6 +129,7 @@ class LiveSession:
         self.turn_task: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()  # serialises commits and conversation changes
         self._run_io = run_io
+        self._queue_frames = queue_frames
         self._on_superseded = on_superseded
 
     # -- attachment -------------------------------------------------------------------------
@@ -141,7 +143,7 @@ class LiveSession:
         return self.turn_task is not None and not self.turn_task.done()
 
     def attach(self, kind: str) -> Subscriber:
-        subscriber = Subscriber(kind)
+        subscriber = Subscriber(kind, self._queue_frames)
         self.subscribers.add(subscriber)
         return subscriber
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from replica.errors import Forbidden, Misdirected, Unavailable
 from replica.grants import Grant
-from replica.live import LiveSession, LiveState, SessionContext
+from replica.live import SUBSCRIBER_QUEUE_FRAMES, LiveSession, LiveState, SessionContext
 from replica.metrics import ReplicaMetrics
 from replica.names import Shard
 from replica.store import SessionStore
@@ -36,6 +36,7 @@ class Registry:
         idle_timeout_s: float,
         metrics: ReplicaMetrics,
         storage_threads: int = 64,
+        queue_frames: int = SUBSCRIBER_QUEUE_FRAMES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stores = stores
@@ -48,6 +49,7 @@ class Registry:
         self._closing: dict[str, asyncio.Task[None]] = {}
         self._executor = ThreadPoolExecutor(storage_threads, thread_name_prefix="storage")
         self._clock = clock
+        self._queue_frames = queue_frames
 
     async def run_io(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -125,6 +127,7 @@ class Registry:
             context,
             run_io=self.run_io,
             on_superseded=self._superseded,
+            queue_frames=self._queue_frames,
         )
         self.sessions[sid] = live
         self.metrics.sessions_live.set(len(self.sessions))

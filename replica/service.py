@@ -75,7 +75,7 @@ def _bound_url(server: uvicorn.Server) -> str:
 
 
 class ReplicaService:
-    def __init__(self, config: ServeConfig, *, keepalive_s: float = 15.0) -> None:
+    def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.phase = Phase.STARTING
         self.metrics = ReplicaMetrics()
@@ -90,6 +90,7 @@ class ReplicaService:
             max_live=config.max_live_sessions,
             idle_timeout_s=config.session_idle_timeout_s,
             metrics=self.metrics,
+            queue_frames=config.stream_queue_frames,
         )
         self.lifecycle = Lifecycle(
             LifecycleConfig(config.lifecycle_url),
@@ -115,7 +116,10 @@ class ReplicaService:
             dict(config.grant_keys), config.seal_key, audience=config.audience, issuer=config.issuer
         )
         self.http = ReplicaApp(
-            verifier=verifier, deps=self.deps, readiness=self.readiness, keepalive_s=keepalive_s
+            verifier=verifier,
+            deps=self.deps,
+            readiness=self.readiness,
+            keepalive_s=config.keepalive_s,
         )
         self._drain_requested = asyncio.Event()
         self._force = asyncio.Event()
