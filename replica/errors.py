@@ -25,6 +25,7 @@ one HTTP status::
     │   └── StorageUnavailable the shard is missing, read-only or failing
     ├── ConfigError            a flag or file given at start-up is unusable
     ├── ModelError             a model call failed (tree in replica/model_types.py)
+    ├── SandboxError           a sandbox exec call failed (tree in replica/sandbox_client.py)
     └── NotifyTokenError       a job-end notify token is malformed or forged (replica/notify.py)
 
 Messages never carry a key, a grant, a token or message text: they are safe to log.
