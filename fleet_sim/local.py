@@ -1,0 +1,224 @@
+"""A local fleet of real processes: keys, a sandbox service, replicas, grants.
+
+Everything listens on 127.0.0.1 with ports the kernel picks; each process prints one JSON line
+(or its URL) once listening, which is how the fleet learns where it is. ``Fleet.close`` kills
+every process it started, whatever happened; tests and benchmarks build on this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from fleet_sim.keys import KeySet, generate_keyset, mint_grant
+from fleet_sim.sandbox import sandbox_exec
+from replica.keyfiles import read_key_file
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 20.0
+
+
+def _python(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+@dataclass
+class Proc:
+    """A child process whose stdout is read line by line; stderr goes to a file."""
+
+    argv: list[str]
+    log: Path
+    proc: subprocess.Popen[str] = field(init=False)
+    _err: IO[str] = field(init=False)
+
+    def start(self) -> Proc:
+        self._err = open(self.log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        return self
+
+    def readline(self, timeout: float = START_TIMEOUT_S) -> str:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        buffer = ""
+        while time.monotonic() < deadline:
+            chunk = self.proc.stdout.readline()
+            if chunk:
+                buffer += chunk
+                if buffer.endswith("\n"):
+                    return buffer
+            elif self.proc.poll() is not None:
+                raise RuntimeError(f"{self.argv[2]} exited: {self.log.read_text()[-2000:]}")
+            else:
+                time.sleep(0.01)
+        raise TimeoutError(f"{self.argv[2]} printed nothing in {timeout}s")
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._err.close()
+
+
+@dataclass
+class Sandbox:
+    url: str
+    secret: bytes
+    proc: Proc
+
+    def exec_for(self, name: str) -> tuple[str, dict[str, str]]:
+        return sandbox_exec(self.url, self.secret, name)
+
+
+@dataclass
+class Replica:
+    name: str
+    url: str
+    metrics_url: str | None
+    proc: Proc
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=10, **kwargs)
+
+    def scrape(self) -> str:
+        assert self.metrics_url is not None
+        return httpx.get(self.metrics_url, timeout=5).text
+
+    def drain(self) -> None:
+        self.proc.signal(signal.SIGTERM)
+
+
+class Fleet:
+    """Keys, one sandbox service and any number of replicas, all under one directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.keys: KeySet = generate_keyset(root / "keys")
+        self.keys_dir = root / "keys"
+        self.grant_keys = (self.keys_dir / "grant-keys.txt").read_text().split()
+        self.procs: list[Proc] = []
+        self._sandbox: Sandbox | None = None
+
+    def _spawn(self, name: str, argv: list[str]) -> Proc:
+        proc = Proc(argv, self.root / f"{name}.log").start()
+        self.procs.append(proc)
+        return proc
+
+    @property
+    def sandbox(self) -> Sandbox:
+        if self._sandbox is None:
+            root = self.root / "sandboxes"
+            proc = self._spawn(
+                "sandbox",
+                _python("fleet_sim.sandbox", "--listen", "127.0.0.1:0", "--root", str(root)),
+            )
+            line = proc.readline()
+            url = line.split()[-1] if not line.startswith("{") else json.loads(line)["url"]
+            secret = read_key_file(root / "@sandbox.key", what="sandbox secret")
+            self._sandbox = Sandbox(url.rstrip("/"), secret, proc)
+        return self._sandbox
+
+    def replica(
+        self,
+        name: str,
+        shards: dict[str, Path],
+        *extra: str,
+        notify_origin: str = "http://127.0.0.1:9",
+        metrics: bool = True,
+    ) -> Replica:
+        argv = _python(
+            "replica",
+            "serve",
+            "--service",
+            "--listen",
+            "127.0.0.1:0",
+            "--name",
+            name,
+            "--seal-key",
+            str(self.keys_dir / "seal.key"),
+            "--notify-key",
+            str(self.keys_dir / "notify.key"),
+            "--notify-origin",
+            notify_origin,
+        )
+        for spec in self.grant_keys:
+            argv += ["--grant-key", spec]
+        for shard, path in shards.items():
+            path.mkdir(parents=True, exist_ok=True)
+            argv += ["--shard", f"{shard}={path}"]
+        if metrics:
+            argv += ["--metrics-listen", "127.0.0.1:0"]
+        proc = self._spawn(name, [*argv, *extra])
+        info = json.loads(proc.readline())
+        return Replica(name, info["url"], info["metrics_url"], proc)
+
+    def grant(
+        self,
+        tenant: str,
+        session_id: str,
+        *,
+        sandbox: bool = True,
+        ttl_s: int = 3600,
+        dek: bytes | None = None,
+    ) -> str:
+        exec_url, headers = (
+            self.sandbox.exec_for(session_id.replace(".", "_"))
+            if sandbox
+            else ("http://127.0.0.1:9/none", {})
+        )
+        return mint_grant(
+            self.keys,
+            tenant=tenant,
+            session_id=session_id,
+            workspace_root="/workspace",
+            exec_url=exec_url,
+            dek=dek or self.dek(tenant),
+            exec_headers=headers,
+            ttl_s=ttl_s,
+        )
+
+    def dek(self, tenant: str) -> bytes:
+        from fleet_sim.keys import derive_tenant_dek
+
+        return derive_tenant_dek(self.keys, tenant)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            with contextlib.suppress(Exception):
+                proc.stop()
+
+
+@contextlib.contextmanager
+def fleet_at(root: Path) -> Iterator[Fleet]:
+    fleet = Fleet(root)
+    try:
+        yield fleet
+    finally:
+        fleet.close()
