@@ -10,6 +10,7 @@ the run never reached, so the conversation stays valid for the next model call.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -168,7 +169,7 @@ async def _steps(run: _Run, deps: TurnDeps) -> tuple[str, str]:
     live = run.live
     chat = to_chat(live.owned.transcript.messages)
     sandbox = deps.sandbox(live)
-    notify = deps.notify(live)
+    notify = functools.partial(deps.notify, live)  # minted only when a job is started
     offsets: dict[str, int] = {}
     try:
         async with asyncio.timeout(budget.max_seconds):

@@ -180,7 +180,13 @@ def _serve(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+    import resource
+
     import uvloop
+
+    # Each live session holds a descriptor (two while active): allow as many as the host does.
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
     try:
         uvloop.run(ReplicaService(config).run(ready))

@@ -25,10 +25,26 @@ REPLAY_CAP_BYTES = 4 * 1024 * 1024
 SUBSCRIBER_QUEUE_FRAMES = 2048
 
 
+MERGED_DELTA_CHARS = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class Outgoing:
     text: str
     event_id: str | None = None  # set on committed frames: the SSE id
+    delta: tuple[str, str] | None = None  # (run id, text) of a text_delta, which may be merged
+
+
+def _merge(queued: Outgoing, item: Outgoing) -> Outgoing | None:
+    """Two text deltas of one run that no reader has taken yet travel as one frame: a reader
+    that is a little behind catches up in fewer, larger frames, and the order never changes."""
+    if queued.delta is None or item.delta is None or queued.delta[0] != item.delta[0]:
+        return None
+    text = queued.delta[1] + item.delta[1]
+    if len(text) > MERGED_DELTA_CHARS:
+        return None
+    frame = protocol.event("text_delta", run_id=item.delta[0], text=text)
+    return Outgoing(protocol.dumps(frame), None, (item.delta[0], text))
 
 
 class Subscriber:
@@ -47,7 +63,10 @@ class Subscriber:
     def offer(self, item: Outgoing) -> None:
         if self.closed or self.lagged:
             return
-        if len(self.queue) >= self._limit:
+        merged = _merge(self.queue[-1], item) if self.queue else None
+        if merged is not None:
+            self.queue[-1] = merged
+        elif len(self.queue) >= self._limit:
             self.lagged = True
             self.queue.clear()
         else:
@@ -177,7 +196,9 @@ class LiveSession:
         event_id = frame["leaf_id"] if frame["type"] == "committed" else None
         if self.turn is not None and frame["type"] != "committed":
             self.turn.record(frame, text)
-        item = Outgoing(text, event_id)
+        body = frame.get("event")
+        delta = (body["run_id"], body["text"]) if body and body["kind"] == "text_delta" else None
+        item = Outgoing(text, event_id, delta)
         for subscriber in self.subscribers:
             subscriber.offer(item)
 

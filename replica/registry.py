@@ -24,6 +24,7 @@ from replica.names import Shard
 from replica.store import SessionStore
 
 log = logging.getLogger("replica.registry")
+PARK_AFTER_S = 2.0  # idle this long, a session gives back its segment descriptor
 T = TypeVar("T")
 
 
@@ -50,6 +51,7 @@ class Registry:
         self._executor = ThreadPoolExecutor(storage_threads, thread_name_prefix="storage")
         self._clock = clock
         self._queue_frames = queue_frames
+        self._parking: dict[str, asyncio.Task[None]] = {}
 
     async def run_io(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -169,14 +171,25 @@ class Registry:
 
     def reap_once(self) -> int:
         now = self._clock()
+        for live in self.sessions.values():
+            parkable = not live.owned.parked and live.session_id not in self._parking
+            if parkable and live.reapable(now, PARK_AFTER_S):
+                task = asyncio.create_task(self._park(live), name="park")
+                self._parking[live.session_id] = task
         idle = [s for s in self.sessions.values() if s.reapable(now, self.idle_timeout_s)]
         for live in idle:
             self.metrics.reaped.inc()
             self._start_close(live, final_state=LiveState.CLOSED)
         return len(idle)
 
+    async def _park(self, live: LiveSession) -> None:
+        try:
+            await self.run_io(live.owned.park)
+        finally:
+            self._parking.pop(live.session_id, None)
+
     async def reaper(self) -> None:
-        interval = max(0.05, min(self.idle_timeout_s / 4, 5.0))
+        interval = max(0.05, min(self.idle_timeout_s / 4, 1.0))
         while True:
             await asyncio.sleep(interval)
             self.reap_once()

@@ -167,6 +167,9 @@ class ReplicaService:
                 access_log=False,
                 ws="wsproto",  # uvicorn's sansio websockets logs an error on every denial
                 ws_max_size=WS_MAX_BYTES,
+                # Frames are small JSON on loopback or a LAN: compressing each costs more CPU
+                # than it saves bytes.
+                ws_per_message_deflate=False,
                 ws_ping_interval=None,
                 timeout_graceful_shutdown=5,
             )

@@ -106,6 +106,7 @@ class OwnedSession:
     _next_index: int = field(default=1, repr=False)
     _superseded: Superseded | None = field(default=None, repr=False)
     _broken: str | None = field(default=None, repr=False)
+    _released: bool = field(default=False, repr=False)
     _mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -114,7 +115,19 @@ class OwnedSession:
 
     @property
     def open(self) -> bool:
-        return self._fd >= 0
+        return not self._released
+
+    @property
+    def parked(self) -> bool:
+        return self._fd < 0 and not self._released
+
+    def park(self) -> None:
+        """Close the segment's descriptor while the session is idle; the lock's stays open.
+        The next commit reopens it, so an idle live session costs one descriptor, not two."""
+        with self._mutex:
+            if self._fd >= 0 and not self._released:
+                fd, self._fd = self._fd, -1
+                os.close(fd)
 
     def commit(self, messages: Sequence[Message]) -> CommitOutcome:
         """Append one turn's messages, chained onto the current leaf."""
@@ -138,8 +151,15 @@ class OwnedSession:
     def _append(self, payload: Mapping[str, object]) -> CommitOutcome:
         if self._superseded is not None:
             return self._superseded
-        if self._broken is not None or self._fd < 0:
+        if self._broken is not None or self._released:
             raise LockLost(self._broken or "the session was released")
+        if self._fd < 0:
+            path = self.directory / segment_name(self.epoch)
+            try:
+                self._fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                self._broken = f"the session's segment cannot be reopened: {exc.strerror}"
+                raise LockLost(self._broken) from None
         # The index is spent even if the write fails: a position is never sealed twice.
         index, self._next_index = self._next_index, self._next_index + 1
         record = encode_record(self._sealer, self.epoch, index, payload)
@@ -178,6 +198,7 @@ class OwnedSession:
     def release(self) -> None:
         """Close the segment and drop the lock; safe to call more than once."""
         with self._mutex:
+            self._released = True
             if self._fd >= 0:
                 fd, self._fd = self._fd, -1
                 os.close(fd)

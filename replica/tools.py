@@ -8,7 +8,7 @@ lists the sandbox's jobs. Results go back to the model as text, bounded in size.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -97,7 +97,7 @@ async def run_tool(
     sandbox: Sandbox,
     call: ToolCall,
     *,
-    notify: NotifyTarget | None,
+    notify: Callable[[], NotifyTarget | None],
     read_offsets: dict[str, int],
 ) -> ToolResult:
     """Run one tool call. ``read_offsets`` holds, per job, how far the model has read, so
@@ -117,11 +117,14 @@ async def run_tool(
         return ToolResult(f"tool failed: {exc}", is_error=True)
 
 
-async def _bash(sandbox: Sandbox, args: dict[str, Any], notify: NotifyTarget | None) -> ToolResult:
+async def _bash(
+    sandbox: Sandbox, args: dict[str, Any], notify_for: Callable[[], NotifyTarget | None]
+) -> ToolResult:
     command = args.get("command")
     if not isinstance(command, str) or not command.strip():
         raise ValueError("bash needs a non-empty 'command'")
     if args.get("background") is True:
+        notify = notify_for()
         job = await sandbox.start_job(
             command, notify.url if notify else None, notify.token if notify else None
         )

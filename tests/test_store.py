@@ -214,3 +214,19 @@ def test_random_histories_with_crashes_lose_no_committed_batch(
     assert ids(history.transcript.messages) == acknowledged
     epochs = [s.epoch for s in history.segments]
     assert epochs == list(range(1, len(epochs) + 1))
+
+
+def test_a_parked_session_holds_one_descriptor_and_commits_on(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path)
+    owner = store.open("acme", SID, DEK)
+    owner.commit(turn("a"))
+    before = len(os.listdir("/proc/self/fd"))
+    owner.park()
+    assert owner.parked and len(os.listdir("/proc/self/fd")) == before - 1
+    assert not lock_is_free(owner.directory / LOCK_FILE)  # still owned while parked
+    assert isinstance(owner.commit(turn("b")), Committed)
+    assert not owner.parked
+    owner.park()
+    owner.release()
+    assert lock_is_free(owner.directory / LOCK_FILE)
+    assert ids(store.read("acme", SID, DEK).transcript.messages) == ["au", "aa", "bu", "ba"]
