@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+import asyncio
+import errno
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from replica.probes import PROBE_DIR, ProbeResult, Readiness, ShardProbe, write_probe
+
+pytestmark = pytest.mark.anyio
+
+
+def probe_threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"probe-{name}"]
+
+
+class Hung:
+    """A probe that blocks like a call into a dead mount, until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def __call__(self, root: Path, owner: str) -> None:
+        self.calls += 1
+        self.release.wait(10)
+
+
+@pytest.fixture
+def hung() -> Iterator[Hung]:
+    probe = Hung()
+    yield probe
+    probe.release.set()  # never leave a thread behind, whatever the test did
+
+
+async def wait_no_threads(name: str) -> None:
+    for _ in range(200):
+        if not probe_threads(name):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("probe thread did not finish")
+
+
+async def test_hung_mount_answers_within_the_deadline_and_starts_no_threads(
+    tmp_path: Path, hung: Hung
+) -> None:
+    probe = ShardProbe("hang1", tmp_path, "r1", cache_s=0.0, deadline_s=0.1, probe=hung)
+    started = time.monotonic()
+    result = await probe.check()
+    assert time.monotonic() - started < 0.5
+    assert not result.ok and "hanging" in result.reason and "hang1" in result.reason
+    assert len(probe_threads("hang1")) == 1
+    for _ in range(6):
+        started = time.monotonic()
+        again = await probe.check()
+        assert time.monotonic() - started < 0.5
+        assert not again.ok and "hanging" in again.reason
+    # Six more checks of a dead mount: still one stuck thread, one call into the mount.
+    assert len(probe_threads("hang1")) == 1 and hung.calls == 1
+    assert again.seconds >= result.seconds  # the stuck time keeps counting from the first start
+    hung.release.set()
+    await wait_no_threads("hang1")
+    recovered = await probe.check()
+    assert recovered.ok and recovered.reason == "ok"
+    assert hung.calls == 2
+    await wait_no_threads("hang1")
+
+
+async def test_concurrent_checks_share_one_probe(tmp_path: Path, hung: Hung) -> None:
+    probe = ShardProbe("hang2", tmp_path, "r1", cache_s=0.0, deadline_s=0.2, probe=hung)
+    results = await asyncio.gather(*(probe.check() for _ in range(8)))
+    assert all(not r.ok for r in results)
+    assert hung.calls == 1 and len(probe_threads("hang2")) == 1
+
+
+async def test_cache_holds_a_verdict(tmp_path: Path) -> None:
+    calls: list[str] = []
+    seen: list[float] = []
+
+    def fast(root: Path, owner: str) -> None:
+        calls.append(owner)
+
+    probe = ShardProbe("c", tmp_path, "r1", cache_s=0.3, probe=fast, observe=seen.append)
+    first = await probe.check()
+    assert first.ok and calls == ["r1"] and len(seen) == 1 and seen[0] == first.seconds
+    for _ in range(5):
+        assert await probe.check() is first
+    assert calls == ["r1"]
+    await asyncio.sleep(0.35)
+    assert (await probe.check()).ok and len(calls) == 2
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (OSError(errno.EROFS, "read-only file system"), "is read-only"),
+        (OSError(errno.ESTALE, "stale handle"), "is missing"),
+        (OSError(errno.EIO, "i/o error"), "is failing (EIO)"),
+        (RuntimeError("odd"), "is failing"),
+    ],
+)
+async def test_failures_are_named(tmp_path: Path, error: BaseException, expected: str) -> None:
+    def broken(root: Path, owner: str) -> None:
+        raise error
+
+    result = await ShardProbe("a07-s1", tmp_path, "r1", probe=broken).check()
+    assert result == ProbeResult(False, f"shard a07-s1 {expected}", result.seconds)
+
+
+async def test_real_probe_on_present_and_missing_roots(tmp_path: Path) -> None:
+    good = await ShardProbe("a07-s1", tmp_path, "r1").check()
+    assert good.ok and 0 <= good.seconds < 1
+    assert list((tmp_path / PROBE_DIR).iterdir()) == []  # the probe file is removed
+    missing = await ShardProbe("a07-s2", tmp_path / "absent", "r1").check()
+    assert not missing.ok and missing.reason == "shard a07-s2 is missing"
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert (await ShardProbe("a07-s3", afile, "r1").check()).reason == "shard a07-s3 is missing"
+    with pytest.raises(FileNotFoundError):
+        write_probe(tmp_path / "absent", "r1")
+
+
+async def test_readiness(tmp_path: Path, hung: Hung) -> None:
+    draining = False
+    good = ShardProbe("a07-s1", tmp_path, "r1")
+    bad = ShardProbe("a07-s2", tmp_path / "absent", "r1")
+    stuck = ShardProbe("a07-s3", tmp_path, "r1", deadline_s=0.2, probe=hung)
+    assert await Readiness([good], lambda: draining).check() == (True, "ready")
+    started = time.monotonic()
+    ok, reason = await Readiness([good, bad, stuck], lambda: draining).check()
+    assert time.monotonic() - started < 0.6
+    assert not ok and "a07-s2 is missing" in reason and "a07-s3 is hanging" in reason
+    assert "a07-s1" not in reason
+    draining = True
+    assert await Readiness([good], lambda: draining).check() == (False, "draining")
