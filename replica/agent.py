@@ -65,6 +65,25 @@ def make_title(prompt: str) -> str:
 
 def to_chat(messages: Sequence[Message]) -> list[ChatMessage]:
     chat = [ChatMessage("system", SYSTEM_PROMPT)]
+    chat.extend(_chat_messages(messages))
+    return chat
+
+
+def chat_history(live: LiveSession) -> list[ChatMessage]:
+    """The conversation in the model's vocabulary, converted once per message: the session keeps
+    the converted prefix, and a turn converts only what was committed since."""
+    transcript = live.owned.transcript
+    cached = live.chat_cache
+    if cached is None or cached[0] != transcript.resets or cached[1] > len(transcript):
+        cached = (transcript.resets, 0, [ChatMessage("system", SYSTEM_PROMPT)])
+    chat = cached[2]
+    chat.extend(_chat_messages(transcript.messages[cached[1] :]))
+    live.chat_cache = (transcript.resets, len(transcript), chat)
+    return list(chat)
+
+
+def _chat_messages(messages: Sequence[Message]) -> list[ChatMessage]:
+    chat: list[ChatMessage] = []
     for message in messages:
         if message.role == "assistant":
             calls = tuple(
@@ -114,16 +133,25 @@ class _Run:
                 self.message("tool", f"not run: the turn ended ({reason})", tool_call_id=call.id)
             )
         self.open_calls = []
-        if self.pending and self.pending[-1].role == "assistant":
-            last = self.pending[-1]
-            self.pending[-1] = Message(
-                last.id, None, last.role, last.content, last.ts, {**last.extra, "stop": reason}
-            )
+        for i in range(len(self.pending) - 1, -1, -1):
+            last = self.pending[i]
+            if last.role == "assistant":
+                self.pending[i] = Message(
+                    last.id, None, last.role, last.content, last.ts, {**last.extra, "stop": reason}
+                )
+                break
 
 
 async def run_turn(live: LiveSession, prompt: str, run_id: str, deps: TurnDeps) -> None:
     """The body of a turn task. Cancelling the task aborts the run (and still commits it)."""
     live.turn = TurnBuffer(run_id)
+    try:
+        await _turn(live, prompt, run_id, deps)
+    finally:
+        live.turn = None  # however the turn ended, late readers must not see it replayed
+
+
+async def _turn(live: LiveSession, prompt: str, run_id: str, deps: TurnDeps) -> None:
     live.publish(protocol.event("turn_started", run_id=run_id))
     first = len(live.owned.transcript) == 0
     extra: dict[str, Any] = {"run_id": run_id}
@@ -131,9 +159,15 @@ async def run_turn(live: LiveSession, prompt: str, run_id: str, deps: TurnDeps) 
         extra["title"] = make_title(prompt)
         extra["cwd"] = live.context.workspace_root
     user = Message(new_message_id(), None, "user", prompt, time.time(), extra)
-    if await live.commit([user]) is None:
-        live.turn = None
-        return
+    try:
+        committed = await live.commit([user])
+    except asyncio.CancelledError:
+        live.publish(
+            protocol.event("turn_ended", run_id=run_id, outcome="aborted", reason="aborted")
+        )
+        raise
+    if committed is None:
+        return  # no longer the owner: readers were told and closed
     base = {"session_id": live.session_id, "tenant": live.tenant, "run_id": run_id}
     if first:
         deps.emit(
@@ -160,14 +194,13 @@ async def run_turn(live: LiveSession, prompt: str, run_id: str, deps: TurnDeps) 
         if run.pending:
             await asyncio.shield(live.commit(run.pending))
         live.publish(protocol.event("turn_ended", run_id=run_id, outcome=outcome, reason=reason))
-        live.turn = None
         deps.emit({"type": "run", "phase": outcome, "reason": reason, **base})
 
 
 async def _steps(run: _Run, deps: TurnDeps) -> tuple[str, str]:
     budget = deps.budget
     live = run.live
-    chat = to_chat(live.owned.transcript.messages)
+    chat = chat_history(live)
     sandbox = deps.sandbox(live)
     notify = functools.partial(deps.notify, live)  # minted only when a job is started
     offsets: dict[str, int] = {}

@@ -20,7 +20,7 @@ from replica.names import SessionId
 from replica.protocol import Command
 from replica.registry import Registry
 from replica.store import Committed
-from replica.transcript import UnknownMessage
+from replica.transcript import UnknownMessage, new_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ def state(live: LiveSession) -> dict[str, Any]:
 def _prompt(live: LiveSession, command: Command, deps: CommandDeps) -> list[dict[str, Any]]:
     if live.running:
         return [protocol.failure(command, "a turn is already running; abort it or wait")]
-    run_id = "r" + secrets.token_urlsafe(8)
+    run_id = new_id("r")
     task = asyncio.create_task(run_turn(live, command.message, run_id, deps.turn), name="turn")
     live.turn_task = task
     deps.metrics.runs_in_flight.inc()

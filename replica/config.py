@@ -35,11 +35,16 @@ def parse_hostport(value: str, flag: str) -> tuple[str, int]:
 
 
 def parse_origin(value: str, flag: str) -> str:
-    parts = urllib.parse.urlsplit(value)
+    try:
+        parts = urllib.parse.urlsplit(value)
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"{flag} is not a valid URL") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{flag} must be an http(s) origin like http://10.0.0.5:8080")
-    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+    if parts.path not in ("", "/") or parts.query or parts.fragment or "@" in parts.netloc:
         raise ConfigError(f"{flag} must be an origin: scheme, host and port only")
+    del port  # read only so an out-of-range port is refused above
     return f"{parts.scheme}://{parts.netloc}"
 
 
@@ -142,7 +147,11 @@ def build_config(
         metrics = parse_hostport(metrics_listen, "--metrics-listen")
         require_loopback(metrics[0])
     if lifecycle_url is not None:
-        parts = urllib.parse.urlsplit(lifecycle_url)
+        try:
+            parts = urllib.parse.urlsplit(lifecycle_url)
+            _ = parts.port
+        except ValueError:
+            raise ConfigError("--lifecycle-url is not a valid URL") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError("--lifecycle-url must be an http(s) URL")
     return ServeConfig(

@@ -59,8 +59,10 @@ class Lifecycle:
         if self._client is None or self.config.url is None:
             return False
         try:
-            response = await self._client.post(self.config.url, json=event, timeout=timeout_s)
-        except httpx.HTTPError:
+            # A deadline for the whole exchange: a trickling answer must not stretch it.
+            async with asyncio.timeout(timeout_s):
+                response = await self._client.post(self.config.url, json=event)
+        except (httpx.HTTPError, TimeoutError):
             return False
         return response.is_success
 
@@ -69,6 +71,10 @@ class Lifecycle:
             event = await self._queue.get()
             try:
                 await self._deliver(event)
+            except Exception:
+                # One bad event must not stop every later one.
+                log.exception("lifecycle event could not be sent")
+                self._on_drop("rejected")
             finally:
                 self._queue.task_done()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from replica import protocol
+from replica.errors import LockLost
 from replica.names import SessionId
 from replica.store import Committed, OwnedSession, Superseded
 from replica.transcript import Message
@@ -99,11 +100,12 @@ class TurnBuffer:
     def record(self, frame: dict[str, Any], text: str) -> None:
         if self.truncated:
             return
-        if self.size + len(text) > REPLAY_CAP_BYTES:
+        size = len(text) if text.isascii() else len(text.encode())
+        if self.size + size > REPLAY_CAP_BYTES:
             self.truncated = True
             return
         self.frames.append(frame)
-        self.size += len(text)
+        self.size += size
 
 
 class LiveState(enum.Enum):
@@ -147,6 +149,8 @@ class LiveSession:
         self.turn: TurnBuffer | None = None
         self.turn_task: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()  # serialises commits and conversation changes
+        # The agent's converted copy of the transcript: (resets, messages converted, chat).
+        self.chat_cache: tuple[int, int, list[Any]] | None = None
         self._run_io = run_io
         self._queue_frames = queue_frames
         self._on_superseded = on_superseded
@@ -223,16 +227,24 @@ class LiveSession:
         if self.state is not LiveState.OPEN and self.state is not LiveState.CLOSING:
             return None
         async with self.lock:
-            outcome = await self._run_io(self.owned.commit, list(batch))
+            try:
+                outcome = await self._run_io(self.owned.commit, list(batch))
+            except LockLost:
+                outcome = None
         return self._after(outcome)
 
     async def reset(self, archived_to: str | None) -> Committed | None:
         async with self.lock:
-            outcome = await self._run_io(self.owned.reset, archived_to)
+            try:
+                outcome = await self._run_io(self.owned.reset, archived_to)
+            except LockLost:
+                outcome = None
         return self._after(outcome)
 
-    def _after(self, outcome: Committed | Superseded) -> Committed | None:
-        if isinstance(outcome, Superseded):
+    def _after(self, outcome: Committed | Superseded | None) -> Committed | None:
+        # None: the storage failed under us (EIO on a descriptor after a lapsed lease). Whether
+        # or not a successor exists yet, this replica can no longer vouch for the session.
+        if outcome is None or isinstance(outcome, Superseded):
             self.supersede()
             return None
         self.publish(protocol.committed(outcome.leaf_id))

@@ -24,6 +24,7 @@ Any line that is not a well-formed directive is ordinary prompt text.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -134,7 +135,9 @@ def pieces(text: str) -> tuple[str, ...]:
     return tuple(_PIECE.findall(text))
 
 
+@functools.lru_cache(maxsize=65536)
 def count_tokens(text: str) -> int:
+    # Cached: every call re-counts the whole conversation's prompt, message by message.
     return len(pieces(text))
 
 

@@ -8,12 +8,12 @@ else is a :class:`~replica.errors.BadRequest` whose message can go back to the c
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from replica.errors import BadRequest
+from replica.transcript import new_id
 
 MAX_COMMAND_BYTES = 8 * 1024 * 1024
 MAX_PROMPT_CHARS = 1024 * 1024
@@ -51,13 +51,24 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _unicode(value: str, key: str) -> str:
+    """JSON escapes can spell lone surrogates, which no UTF-8 writer (the store, a socket)
+    accepts: refuse them here rather than fail later."""
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise BadRequest(f"'{key}' must be valid Unicode (no lone surrogates)") from None
+    return value
+
+
 def _optional_str(obj: Mapping[str, Any], key: str, limit: int) -> str | None:
     value = obj.get(key)
     if value is None:
         return None
     if not isinstance(value, str) or not 0 < len(value) <= limit:
         raise BadRequest(f"'{key}' must be a string of 1-{limit} characters")
-    return value
+    return _unicode(value, key)
 
 
 def parse_command(raw: str | bytes) -> Command:
@@ -71,16 +82,16 @@ def parse_command(raw: str | bytes) -> Command:
     if not isinstance(obj, dict):
         raise BadRequest("a command must be a JSON object")
     kind = obj.get("type")
-    if kind not in COMMANDS:
+    if not isinstance(kind, str) or kind not in COMMANDS:
         raise BadRequest(f"unknown command type; expected one of {', '.join(sorted(COMMANDS))}")
-    command_id = _optional_str(obj, "id", MAX_ID_CHARS) or "c" + secrets.token_urlsafe(6)
+    command_id = _optional_str(obj, "id", MAX_ID_CHARS) or new_id("c")
     if kind == "prompt":
         message = obj.get("message")
         if not isinstance(message, str) or not message.strip():
             raise BadRequest("prompt needs a non-empty 'message' string")
         if len(message) > MAX_PROMPT_CHARS:
             raise BadRequest(f"a prompt is at most {MAX_PROMPT_CHARS} characters")
-        return Command(kind, command_id, message=message)
+        return Command(kind, command_id, message=_unicode(message, "message"))
     if kind == "get_messages":
         return Command(kind, command_id, since=_optional_str(obj, "since", MAX_ID_CHARS))
     if kind == "list_sessions":
@@ -90,7 +101,7 @@ def parse_command(raw: str | bytes) -> Command:
         limit = obj.get("limit", LIST_DEFAULT)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise BadRequest("'limit' must be a positive integer")
-        return Command(kind, command_id, query=query, limit=min(limit, LIST_CAP))
+        return Command(kind, command_id, query=_unicode(query, "query"), limit=min(limit, LIST_CAP))
     if kind == "job_ended":
         return Command(kind, command_id, job_id=_optional_str(obj, "job_id", MAX_ID_CHARS))
     return Command(kind, command_id)

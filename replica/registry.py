@@ -144,6 +144,8 @@ class Registry:
         existing = self._closing.get(live.session_id)
         if existing is not None:
             return existing
+        if live.state is LiveState.OPEN:
+            live.state = LiveState.CLOSING  # from now on place() answers "exiting"
         task = asyncio.create_task(self._close(live, final_state), name="close")
         self._closing[live.session_id] = task
         return task

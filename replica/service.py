@@ -26,6 +26,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from replica.agent import TurnDeps
 from replica.app import ReplicaApp
@@ -58,6 +59,17 @@ class Phase(enum.Enum):
 class Bound:
     url: str
     metrics_url: str | None
+
+
+class _WebSockets(WebSocketsSansIOProtocol):
+    """uvicorn's sans-I/O WebSocket protocol, which logs "ASGI callable returned without
+    completing handshake" (and tries to send a 500) after every denial response, although the
+    denial went out complete. A denial is a finished handshake: mark it so."""
+
+    async def send(self, message: Any) -> None:
+        await super().send(message)
+        if message["type"] == "websocket.http.response.body" and not message.get("more_body"):
+            self.handshake_complete = True
 
 
 class _Server(uvicorn.Server):
@@ -165,7 +177,7 @@ class ReplicaService:
                 lifespan="off",
                 log_level="warning",
                 access_log=False,
-                ws="wsproto",  # uvicorn's sansio websockets logs an error on every denial
+                ws=_WebSockets,
                 ws_max_size=WS_MAX_BYTES,
                 # Frames are small JSON on loopback or a LAN: compressing each costs more CPU
                 # than it saves bytes.

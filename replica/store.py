@@ -160,9 +160,9 @@ class OwnedSession:
             except OSError as exc:
                 self._broken = f"the session's segment cannot be reopened: {exc.strerror}"
                 raise LockLost(self._broken) from None
-        # The index is spent even if the write fails: a position is never sealed twice.
-        index, self._next_index = self._next_index, self._next_index + 1
-        record = encode_record(self._sealer, self.epoch, index, payload)
+        record = encode_record(self._sealer, self.epoch, self._next_index, payload)
+        # Spent once sealed, even if the write fails: a position is never sealed twice.
+        self._next_index += 1
         try:
             _write_all(self._fd, record, self._size)
             os.fsync(self._fd)

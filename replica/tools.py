@@ -8,6 +8,7 @@ lists the sandbox's jobs. Results go back to the model as text, bounded in size.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -132,7 +133,12 @@ async def _bash(
             f"started background job {job.job_id}", {"job_id": job.job_id, "background": True}
         )
     timeout = args.get("timeout_s", DEFAULT_TIMEOUT_S)
-    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
+    if (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
         raise ValueError("'timeout_s' must be a positive number")
     result = await sandbox.exec(command, min(float(timeout), MAX_TIMEOUT_S))
     text = result.stdout + (("\n[stderr]\n" + result.stderr) if result.stderr else "")

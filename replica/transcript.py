@@ -9,6 +9,8 @@ resume (``get_messages`` with ``since``, SSE ``Last-Event-ID``).
 
 from __future__ import annotations
 
+import base64
+import random
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,8 +20,17 @@ _ROLES = frozenset({"user", "assistant", "tool", "system", "event"})
 _CORE_KEYS = frozenset({"id", "parent_id", "role", "content", "ts"})
 
 
+# Ids need to be unique, not secret: a PRNG seeded once from the OS is as good and far cheaper
+# than a getrandom() call per message.
+_ids = random.Random(secrets.randbits(128))
+
+
+def new_id(prefix: str) -> str:
+    return prefix + base64.urlsafe_b64encode(_ids.getrandbits(72).to_bytes(9, "big")).decode()
+
+
 def new_message_id() -> str:
-    return "m" + secrets.token_urlsafe(9)
+    return new_id("m")
 
 
 @dataclass(frozen=True, slots=True)

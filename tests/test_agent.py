@@ -257,13 +257,6 @@ async def test_step_budget_answers_every_call(rig: Rig) -> None:
     assert rig.emitted[-1]["reason"] == "budget_steps"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="agent.py _Run.finish marks 'stop' only when the batch ends in an assistant message; "
-    "a run ended by the step or token budget ends in a tool result, so the committed "
-    "transcript never records why it stopped",
-)
 @pytest.mark.parametrize(
     ("budget", "reason"),
     [(TurnBudget(max_steps=2), "budget_steps"), (TurnBudget(max_tokens=100), "budget_tokens")],
@@ -443,13 +436,6 @@ async def test_a_new_conversation_is_named_again(rig: Rig) -> None:
     assert messages[0].extra["title"] == "second topic"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="agent.py run_turn: the prompt's commit is awaited before the try/finally, so an "
-    "abort that lands during it leaves live.turn set (a dead run replayed in every catchup "
-    "and reported by get_state) and publishes no turn_ended",
-)
 async def test_abort_while_the_prompt_commits_ends_the_turn(rig: Rig) -> None:
     gate = asyncio.Event()
 

@@ -108,12 +108,6 @@ def test_turn_buffer_stops_at_the_cap() -> None:
     assert [f["i"] for f in buffer.frames] == [0, 1, 2, 3] and buffer.size == REPLAY_CAP_BYTES
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="live.py TurnBuffer.record counts len(text) in characters against REPLAY_CAP_BYTES; "
-    "frames are sent as UTF-8 (ensure_ascii=False), so non-ASCII turns hold up to 4x the cap",
-)
 def test_turn_buffer_cap_is_in_bytes() -> None:
     buffer = TurnBuffer("r1")
     text = protocol.dumps(protocol.event("text_delta", text="é" * (1024 * 1024)))

@@ -110,23 +110,11 @@ def test_malformed_input_is_refused_without_quoting_it() -> None:
     assert "unknown command type" in refused(cmd(type=MARK))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="protocol.py parse_command: `kind not in COMMANDS` hashes the 'type' value, so an "
-    "array or object type raises TypeError instead of BadRequest",
-)
 @pytest.mark.parametrize("kind", [[], {}, ["prompt"]])
 def test_unhashable_type_is_a_bad_request(kind: object) -> None:
     refused(cmd(type=kind))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="protocol.py parse_command accepts a \\ud800 escape: the returned message is not "
-    "UTF-8 encodable, so committing it raises UnicodeEncodeError (and spends a record index)",
-)
 def test_lone_surrogate_escape_is_refused() -> None:
     with pytest.raises(BadRequest):
         parse_command('{"type": "prompt", "message": "hi \\ud800"}')

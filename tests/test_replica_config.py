@@ -132,33 +132,9 @@ def test_service_and_notify_origin(flags: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     "origin",
     [
-        pytest.param(
-            "http://[::1",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=ValueError,
-                reason="config.py parse_origin: urlsplit raises ValueError for a bad IPv6 "
-                "literal; it escapes as ValueError instead of ConfigError",
-            ),
-        ),
-        pytest.param(
-            "http://10.0.0.5:99999",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=pytest.fail.Exception,
-                reason="config.py parse_origin never reads parts.port, so an out-of-range or "
-                "non-numeric port is accepted as an origin",
-            ),
-        ),
-        pytest.param(
-            "http://:secret@10.0.0.5",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=pytest.fail.Exception,
-                reason="config.py parse_origin checks only parts.username, which is '' here: "
-                "an origin carrying a password is accepted and kept in the netloc",
-            ),
-        ),
+        pytest.param("http://[::1"),
+        pytest.param("http://10.0.0.5:99999"),
+        pytest.param("http://:secret@10.0.0.5"),
     ],
 )
 def test_origin_edge_cases_are_config_errors(origin: str) -> None:
@@ -166,12 +142,6 @@ def test_origin_edge_cases_are_config_errors(origin: str) -> None:
         parse_origin(origin, "--notify-origin")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="config.py build_config: the --lifecycle-url check calls urlsplit unguarded; a bad "
-    "IPv6 literal raises ValueError instead of ConfigError",
-)
 def test_bad_lifecycle_url_ipv6_is_a_config_error(flags: dict[str, Any]) -> None:
     refused(flags, "--lifecycle-url", lifecycle_url="http://[::1/events")
 

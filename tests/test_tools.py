@@ -200,12 +200,6 @@ async def test_bad_arguments_are_error_results(name: str, arguments: Any, compla
     assert sandbox.calls == []  # nothing reached the sandbox
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="tools.py _bash: json.loads accepts NaN and `nan <= 0` is False, so timeout_s=NaN "
-    "passes the check and min(nan, 600) hands NaN to the sandbox",
-)
 async def test_nan_timeout_is_an_error_result() -> None:
     sandbox = FakeSandbox()
     result = await call(sandbox, "bash", '{"command": "ls", "timeout_s": NaN}')
