@@ -8,11 +8,14 @@ without a running fleet. ``fleet-edge serve`` runs the router.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from edge.config import MAX_VNODES, parse_replica_name
+from edge.config import MAX_VNODES, load_config, parse_replica_name
 from edge.errors import EdgeError
+from edge.metrics import parse_listen, require_loopback
 from edge.ring import DEFAULT_VNODES, Ring
 
 MAX_RING_IDS = 100_000
@@ -64,12 +67,15 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     ring.add_argument("session_ids", metavar="SESSION_ID", nargs="+", help="ids to place")
 
-    # --- serve: the router itself. Its flags are the public command-line contract; the
-    # --- implementation lands separately and replaces _serve below.
     serve = commands.add_parser(
         "serve",
-        help="run the edge router (not implemented yet)",
-        description="Route session requests to the replicas named in the config file.",
+        help="run the edge router",
+        description=(
+            "Route session requests to the replicas named in the config file. SIGHUP reloads "
+            "the config (a config that does not load is logged and the running one kept); "
+            "SIGTERM or SIGINT drains: no new connections, work in progress gets the config's "
+            "drain_grace_s, then the process exits."
+        ),
     )
     serve.add_argument("--config", metavar="FILE", required=True, help="edge TOML config")
     serve.add_argument("--listen", metavar="HOST:PORT", required=True, help="client-facing address")
@@ -77,6 +83,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--metrics-listen",
         metavar="127.0.0.1:PORT",
         help="loopback address for Prometheus metrics (off when omitted)",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="log verbosity on stderr (info includes one access line per request)",
     )
     return parser
 
@@ -108,8 +120,29 @@ def _ring(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    print("fleet-edge serve: not implemented yet", file=sys.stderr)
-    return 2
+    # Everything that can be wrong with the flags or the file is reported before binding.
+    host, port = parse_listen(args.listen, "--listen")
+    metrics_address = None
+    if args.metrics_listen is not None:
+        metrics_address = parse_listen(args.metrics_listen, "--metrics-listen")
+        require_loopback(metrics_address[0])
+    config_path = Path(args.config)
+    config = load_config(config_path)
+
+    # Imported here so that `fleet-edge ring` does not pay for loading the server.
+    import uvloop
+
+    from edge.accesslog import install_redaction
+    from edge.server import serve
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    install_redaction()
+    result: int = uvloop.run(serve(config_path, config, host, port, metrics_address))
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:

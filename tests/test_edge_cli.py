@@ -1,13 +1,17 @@
 from __future__ import annotations
 
+import asyncio
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from edge.cli import main
 from edge.ring import Ring
+from tests.edge_fakes import FakeReplica, ok
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +63,20 @@ def test_ring_vnodes_changes_the_layout() -> None:
         (["ring", "--replica", "r1", ""], "without spaces"),
         ([], "COMMAND"),
         (["route"], "invalid choice"),
-        (["serve", "--config", "edge.toml", "--listen", "127.0.0.1:8080"], "not implemented"),
+        (["serve", "--config", "missing.toml", "--listen", "127.0.0.1:8080"], "cannot read config"),
+        (["serve", "--config", "missing.toml", "--listen", "8080"], "--listen must be HOST:PORT"),
+        (
+            [
+                "serve",
+                "--config",
+                "x.toml",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "0.0.0.0:9",
+            ],
+            "loopback only",
+        ),
     ],
 )
 def test_bad_input_exits_2_without_traceback(args: list[str], message: str) -> None:
@@ -88,3 +105,87 @@ def test_main_returns_codes_instead_of_exiting(capsys: pytest.CaptureFixture[str
     assert capsys.readouterr().out == "a07-s1.x r1\n"
     assert main(["ring", "--replica", "r1"]) == 2
     assert main(["--help"]) == 0
+
+
+# --- fleet-edge serve as a real process ----------------------------------------------------------
+
+
+def write_config(path: Path, replicas: list[FakeReplica]) -> None:
+    entries = ", ".join(f'{{ name = "{r.name}", url = "{r.url}" }}' for r in replicas)
+    path.write_text(
+        f'[edge]\nretry_budget_s = 2\n\n[[slice]]\nname = "a07"\nreplicas = [{entries}]\n'
+    )
+
+
+async def owners(url: str, sids: list[str]) -> dict[str, str]:
+    found: dict[str, str] = {}
+    async with aiohttp.ClientSession() as client:
+        for sid in sids:
+            async with client.post(f"{url}/_beyond/agent?session_id={sid}", data=b"{}") as resp:
+                assert resp.status == 200
+                found[sid] = (await resp.read()).decode()
+    return found
+
+
+@pytest.mark.anyio
+async def test_serve_reloads_on_sighup_and_drains_on_sigterm(tmp_path: Path) -> None:
+    replicas = [FakeReplica(name, ok(name.encode())) for name in ("r1", "r2", "r3")]
+    for replica in replicas:
+        await replica.start()
+    config = tmp_path / "edge.toml"
+    write_config(config, replicas[:2])
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "edge",
+        "serve",
+        "--config",
+        str(config),
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
+        url = line.strip().rpartition(" ")[2]
+        assert url.startswith("http://127.0.0.1:")
+        sids = [f"a07-s1.proc{i}" for i in range(30)]
+        before = await owners(url, sids)
+        new_ring = Ring(("r1", "r2", "r3"))
+        to_r3 = {s for s in sids if new_ring.owner(s) == "r3"}
+        assert to_r3 and before == {s: Ring(("r1", "r2")).owner(s) for s in sids}
+
+        write_config(config, replicas)
+        proc.send_signal(signal.SIGHUP)
+        probe = sorted(to_r3)[0]
+        for _ in range(100):
+            if (await owners(url, [probe]))[probe] == "r3":
+                break
+            await asyncio.sleep(0.05)
+        after = await owners(url, sids)
+        assert {s for s in sids if after[s] != before[s]} == to_r3
+        assert after == {s: new_ring.owner(s) for s in sids}
+
+        config.write_text("[edge]\nretry_budget = 5\n")  # a misspelt key: refused
+        proc.send_signal(signal.SIGHUP)
+        await asyncio.sleep(0.5)
+        assert await owners(url, sids) == after
+
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        stderr = (await proc.stderr.read()).decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        for replica in replicas:
+            await replica.close()
+    assert "config reloaded" in stderr
+    assert "config reload failed, still serving the previous config" in stderr
+    assert "retry_budget" in stderr and "edge stopped" in stderr
+    assert "session_id=" not in stderr and "Traceback" not in stderr

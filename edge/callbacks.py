@@ -1,0 +1,132 @@
+"""Job-end callbacks from sandboxes (rules E2-E7; E1's classification is ``edge.classify``).
+
+A callback is routed like any request for its session id (E3), but:
+
+* it is forwarded unchanged (E2): every header as received (hop-by-hop fields aside), its
+  ``Content-Length`` or ``Transfer-Encoding`` included, the body bytes as sent; the edge
+  attaches, mints and checks nothing, and never looks at the token;
+* the whole exchange, placement included, is bounded by ``callback_budget_s`` (E4, at most
+  25 s): past it the edge answers 503 and aborts the replica connection, so the replica stops
+  waiting too;
+* the replica's status goes back unchanged (E5), with its body;
+* at most ``callback_rate_per_session`` callbacks a second are forwarded for one session id
+  (E6, an exact sliding-window count) and at most ``callback_rate_per_source`` a second from one
+  source address (a token bucket); the excess is answered 429 by the edge;
+* the ``Authorization`` header is never logged or recorded (E7): nothing here logs headers, and
+  ``edge.accesslog`` redacts any that other code might quote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Final
+
+from aiohttp import web
+from aiohttp.web_request import BaseRequest
+
+from edge.accesslog import AccessRecord
+from edge.classify import Kind
+from edge.config import EdgeOptions, SliceConfig
+from edge.errors import UpstreamBadResponse, UpstreamTimeout
+from edge.headers import RawHeaders, response_headers
+from edge.metrics import EdgeMetrics, LimitScope, Outcome
+from edge.placement import PlacementFailed
+from edge.proxy import HttpProxy, answer, placement_failed, read_body, upstream_request
+from edge.ratelimit import TokenBucketLimiter, WindowLimiter, WindowRule
+from edge.retry import RetryPolicy
+
+log = logging.getLogger("edge.proxy")
+
+# A callback answer is a status and a short reason; anything longer is not one.
+CALLBACK_ANSWER_LIMIT: Final = 64 * 1024
+
+
+class CallbackLimits:
+    """E6 per session id, plus the per-source-address limit. Clock values come from the caller."""
+
+    def __init__(self, options: EdgeOptions) -> None:
+        self._sessions = WindowLimiter(WindowRule.per_second(options.callback_rate_per_session))
+        rate = options.callback_rate_per_source
+        self._sources = TokenBucketLimiter(rate, max(rate, 1.0))
+
+    def reconfigure(self, options: EdgeOptions) -> None:
+        self._sessions.reconfigure(WindowRule.per_second(options.callback_rate_per_session))
+        rate = options.callback_rate_per_source
+        self._sources.reconfigure(rate, max(rate, 1.0))
+
+    def check(self, session_id: str, source: str, now: float) -> LimitScope | None:
+        """``None`` to forward, or the limit that refuses this callback."""
+        # The source is charged first: a host over its limit does not use up a session's share.
+        if not self._sources.allow(source, now):
+            return LimitScope.SOURCE
+        if not self._sessions.allow(session_id, now):
+            return LimitScope.SESSION
+        return None
+
+
+async def forward_callback(
+    proxy: HttpProxy,
+    limits: CallbackLimits,
+    request: BaseRequest,
+    target: str,
+    headers: RawHeaders,
+    slice_config: SliceConfig,
+    session_id: str,
+    options: EdgeOptions,
+    policy: RetryPolicy,
+    record: AccessRecord,
+    started: float,
+    metrics: EdgeMetrics,
+) -> tuple[web.StreamResponse, Outcome]:
+    loop = asyncio.get_running_loop()
+    tally = record.tally
+    refused_by = limits.check(session_id, request.remote or "-", loop.time())
+    if refused_by is not None:
+        metrics.rate_limited[refused_by].inc()
+        text = (
+            "too many job-end callbacks for this session; retry"
+            if refused_by is LimitScope.SESSION
+            else "too many job-end callbacks from this address; retry"
+        )
+        return answer(429, text, retry_after=True), Outcome.RATE_LIMITED
+    owner = slice_config.replica(slice_config.ring.owner(session_id))
+    host = proxy.pool.origin(owner.url).host_header
+    # E4 counts from the callback's arrival: a slow upload spends the same 25 s.
+    deadline = started + options.callback_budget_s
+    try:
+        async with asyncio.timeout_at(deadline):
+            body = await read_body(request, headers, options.max_request_body_bytes)
+            data = upstream_request(request, target, headers, body, host, callback=True)
+            response = await proxy.place(
+                request, slice_config, session_id, data, options, policy, tally, started
+            )
+            try:
+                reply = await response.read_all(CALLBACK_ANSWER_LIMIT)
+            finally:
+                response.release()
+    except TimeoutError:
+        log.warning(
+            "job-end callback not answered within %g s (last replica tried: %s); answering 503",
+            options.callback_budget_s,
+            tally.replica,
+        )
+        text = f"no replica answered the callback within {options.callback_budget_s:g} s"
+        return answer(503, text, retry_after=True), Outcome.TIMED_OUT
+    except PlacementFailed as exc:
+        return placement_failed(exc, slice_config, policy, Kind.CALLBACK, metrics)
+    except UpstreamTimeout as exc:
+        log.warning("%s", exc)
+        return answer(503, "the replica did not answer the callback in time"), Outcome.TIMED_OUT
+    except UpstreamBadResponse as exc:
+        log.warning("%s", exc)
+        return answer(502, f"replica {tally.replica} sent an unusable answer"), (
+            Outcome.UPSTREAM_ERROR
+        )
+    metrics.placement[Kind.CALLBACK].observe(loop.time() - started)
+    out = web.Response(
+        status=response.status,
+        body=reply,
+        headers=response_headers(response.headers, keep_length=False),
+    )
+    return out, Outcome.DELIVERED

@@ -1,0 +1,230 @@
+"""The edge's Prometheus metrics and their loopback-only listener.
+
+Every label has a closed vocabulary declared here and every child exists from the start at
+zero, so a dashboard never sees a series appear out of nowhere and no session, tenant, shard or
+replica value can reach a label: the scrape re-checks each sample against the vocabulary and
+refuses to serve (500, logged) if anything outside it slipped in.
+
+The hot path never calls ``labels()``: children are resolved once into dictionaries keyed by
+the enums the proxy already holds.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import logging
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from edge.classify import Kind
+from edge.errors import ConfigError
+
+log = logging.getLogger("edge.metrics")
+
+
+class Outcome(enum.StrEnum):
+    """How a request ended, from the edge's point of view."""
+
+    DELIVERED = enum.auto()  # a replica's answer (any status) went to the client
+    EXHAUSTED = enum.auto()  # the retry budget ran out: 503 from the edge
+    MISROUTED = enum.auto()  # every replica of the slice answered 421: 502 from the edge
+    REJECTED = enum.auto()  # refused by the edge itself (400/403/404/411/413)
+    RATE_LIMITED = enum.auto()  # 429 from the edge
+    TIMED_OUT = enum.auto()  # no answer in time: 503 (callbacks, E4) or 504
+    UPSTREAM_ERROR = enum.auto()  # unusable or cut-off replica response: 502 or a closed stream
+    CLIENT_GONE = enum.auto()  # the client left before it had an answer
+    SHED = enum.auto()  # over the concurrency limit: 503 from the edge
+
+
+class LimitScope(enum.StrEnum):
+    SESSION = enum.auto()
+    SOURCE = enum.auto()
+
+
+STREAM_KINDS = (Kind.WEBSOCKET, Kind.SSE)
+RELOAD_RESULTS = ("ok", "failed")
+PLACEMENT_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    25.0,
+    60.0,
+    120.0,
+)
+VOCABULARY: dict[str, frozenset[str]] = {
+    "kind": frozenset(k.value for k in Kind),
+    "outcome": frozenset(o.value for o in Outcome),
+    "scope": frozenset(s.value for s in LimitScope),
+    "result": frozenset(RELOAD_RESULTS),
+    # Added by the client library itself to histogram buckets.
+    "le": frozenset(),
+}
+
+
+class EdgeMetrics:
+    """One registry per edge (tests run several edges in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._requests = Counter(
+            "edge_requests",
+            "Requests by kind and how they ended.",
+            ("kind", "outcome"),
+            registry=r,
+        )
+        self._retries = Counter(
+            "edge_retries",
+            "Same-replica retries after a 503 or an unreachable replica, before any walk.",
+            ("kind",),
+            registry=r,
+        )
+        self._walk_steps = Counter(
+            "edge_walk_steps",
+            "Attempts made while walking the ring past the hashed replica.",
+            ("kind",),
+            registry=r,
+        )
+        self._exhausted = Counter(
+            "edge_budget_exhaustions",
+            "Requests whose retry budget ran out before any replica would serve them.",
+            ("kind",),
+            registry=r,
+        )
+        self._misdirected = Counter(
+            "edge_misdirected",
+            "421 answers: a replica does not mount the shard the edge sent it (should be zero).",
+            ("kind",),
+            registry=r,
+        )
+        self._unreachable = Counter(
+            "edge_upstream_unreachable",
+            "Attempts that found a replica refusing or dropping the connection before answering.",
+            ("kind",),
+            registry=r,
+        )
+        self._placement = Histogram(
+            "edge_placement_seconds",
+            "From a request's arrival to the answer the edge delivers from a replica.",
+            ("kind",),
+            buckets=PLACEMENT_BUCKETS,
+            registry=r,
+        )
+        self._streams = Gauge(
+            "edge_open_streams",
+            "WebSocket sessions and SSE streams being relayed now.",
+            ("kind",),
+            registry=r,
+        )
+        self._rate_limited = Counter(
+            "edge_callbacks_rate_limited",
+            "Job-end callbacks answered 429, by the limit that refused them.",
+            ("scope",),
+            registry=r,
+        )
+        self._reloads = Counter(
+            "edge_config_reloads", "SIGHUP config reloads by result.", ("result",), registry=r
+        )
+        self._in_flight = Gauge(
+            "edge_requests_in_flight", "Requests being handled now.", registry=r
+        )
+        self.requests = {
+            (k, o): self._requests.labels(k.value, o.value) for k in Kind for o in Outcome
+        }
+        self.retries = {k: self._retries.labels(k.value) for k in Kind}
+        self.walk_steps = {k: self._walk_steps.labels(k.value) for k in Kind}
+        self.exhausted = {k: self._exhausted.labels(k.value) for k in Kind}
+        self.misdirected = {k: self._misdirected.labels(k.value) for k in Kind}
+        self.unreachable = {k: self._unreachable.labels(k.value) for k in Kind}
+        self.placement = {k: self._placement.labels(k.value) for k in Kind}
+        self.streams = {k: self._streams.labels(k.value) for k in STREAM_KINDS}
+        self.rate_limited = {s: self._rate_limited.labels(s.value) for s in LimitScope}
+        self.reloads = {name: self._reloads.labels(name) for name in RELOAD_RESULTS}
+        self.in_flight = self._in_flight
+
+    def label_values(self) -> set[tuple[str, str]]:
+        """Every ``(label, value)`` pair currently exposed."""
+        pairs: set[tuple[str, str]] = set()
+        for family in self.registry.collect():
+            for sample in family.samples:
+                pairs.update(sample.labels.items())
+        return pairs
+
+    def check_vocabulary(self) -> list[str]:
+        """Labels outside the closed vocabulary (empty when all is well)."""
+        bad: list[str] = []
+        for name, value in sorted(self.label_values()):
+            allowed = VOCABULARY.get(name)
+            if allowed is None or (name != "le" and value not in allowed):
+                bad.append(f"{name}={value!r}")
+        return bad
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def parse_listen(text: str, flag: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) into its parts; port 0 picks a free one."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ConfigError(f"{flag} must be HOST:PORT, got {text!r}")
+    port = int(port_text)
+    if port > 65535:
+        raise ConfigError(f"{flag} port must be 0-65535, got {port}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port
+
+
+def require_loopback(host: str) -> None:
+    """Refuse a metrics bind that anything but this host could reach."""
+    if host == "localhost":
+        return
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(
+            f"--metrics-listen host {host!r} must be a loopback IP address such as 127.0.0.1"
+        ) from None
+    if not address.is_loopback:
+        raise ConfigError(
+            f"--metrics-listen {host} is routable; edge metrics are served on loopback only "
+            "(use 127.0.0.1 and scrape from the same host)"
+        )
+
+
+async def start_metrics_server(metrics: EdgeMetrics, host: str, port: int) -> web.AppRunner:
+    """Serve ``GET /metrics`` on a loopback address; returns the started runner."""
+    require_loopback(host)
+
+    async def scrape(request: web.Request) -> web.Response:
+        bad = metrics.check_vocabulary()
+        if bad:
+            log.error("refusing to serve metrics: labels outside the vocabulary: %s", bad)
+            return web.Response(status=500, text="metrics carry an unexpected label value\n")
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", scrape)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner

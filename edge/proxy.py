@@ -1,0 +1,321 @@
+"""Plain HTTP through the edge: POST commands, SSE event streams, and anything else under
+``/_beyond/agent``.
+
+A request is placed before the client sees anything: its body is buffered (a retry must re-send
+it whole), the hashed replica is asked, and refusals go through the retry-then-walk loop of
+``edge.placement``. The first real answer is then passed on:
+
+* an answer whose body has already arrived in full (the usual command response) goes out in one
+  write, headers and body together;
+* anything else is streamed: each piece is written to the client the moment it arrives, with
+  no buffering and no response timeout, only an idle guard (``SSE_IDLE_S`` for event streams,
+  longer than the replicas' 15 s keepalive comment; the header timeout otherwise). If the
+  replica breaks off, the client connection is closed rather than ended cleanly, so a client
+  never mistakes a truncated body for a whole one.
+
+Nothing is retried once the first byte of an answer has gone to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Final
+
+from aiohttp import web
+from aiohttp.web_request import BaseRequest
+
+from edge.accesslog import AccessRecord
+from edge.classify import Kind
+from edge.config import EdgeOptions, ReplicaConfig, SliceConfig
+from edge.errors import (
+    BodyIncomplete,
+    BodyTooLarge,
+    LengthRequired,
+    UpstreamBadResponse,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from edge.headers import RawHeaders, chunked_body, is_chunked, request_head, response_headers
+from edge.metrics import EdgeMetrics, Outcome
+from edge.placement import PlacementFailed, Refusal, Tally, place
+from edge.retry import GiveUpReason, RetryPolicy, parse_retry_after
+from edge.upstream import UpstreamPool, UpstreamResponse
+
+log = logging.getLogger("edge.proxy")
+
+# Longer than the replicas' 15 s keepalive comment, so only a dead stream trips it.
+SSE_IDLE_S: Final = 45.0
+# How much of a refusal's body is kept for the log, and how long the edge waits for it.
+REFUSAL_NOTE_BYTES: Final = 512
+REFUSAL_BODY_LIMIT: Final = 64 * 1024
+REFUSAL_READ_S: Final = 2.0
+_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
+_CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def answer(status: int, text: str, *, retry_after: bool = False) -> web.Response:
+    """A response made by the edge itself (plain text, never quoting request headers)."""
+    headers = {"Retry-After": "1"} if retry_after else None
+    return web.Response(status=status, text=text + "\n", headers=headers)
+
+
+async def read_body(request: BaseRequest, headers: RawHeaders, max_bytes: int) -> bytes:
+    """The whole request body, held for re-sending; raises a routing error for 411/413/400."""
+    length = request.content_length
+    chunked = length is None and is_chunked(headers)
+    if length is None and not chunked:
+        if request.method in _BODY_METHODS:
+            raise LengthRequired(
+                "send Content-Length or a chunked body: the edge holds the body to re-send it"
+            )
+        return b""
+    if length is not None and length > max_bytes:
+        raise BodyTooLarge(f"the request body is over the edge's limit of {max_bytes} bytes")
+    if length == 0:
+        return b""
+    if request.headers.get("Expect", "").lower() == "100-continue" and request.version >= (1, 1):
+        # The edge buffers the body before any replica is involved, so it answers this itself.
+        await request.writer.write(_CONTINUE)
+    content = request.content
+    if length is not None:
+        try:
+            return await content.readexactly(length)
+        except asyncio.IncompleteReadError:
+            raise BodyIncomplete("the request body ended before its Content-Length") from None
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await content.readany():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge(f"the request body is over the edge's limit of {max_bytes} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def upstream_request(
+    request: BaseRequest,
+    target: str,
+    headers: RawHeaders,
+    body: bytes,
+    host: bytes,
+    *,
+    callback: bool,
+) -> bytes:
+    """The exact bytes to send a replica: head plus framed body, built once per request."""
+    head = request_head(
+        request.method, target, headers, host=host, body_length=len(body), keep_framing=callback
+    )
+    if callback and request.content_length is None and is_chunked(headers):
+        return head + chunked_body(body)
+    return head + body if body else head
+
+
+async def _refusal(response: UpstreamResponse, replica: ReplicaConfig) -> Refusal:
+    """Turn a 503/421 into a planner input, keeping the start of its reason for the log."""
+    status = response.status
+    retry_after = None
+    for name, value in response.headers:
+        if name.lower() == b"retry-after":
+            retry_after = parse_retry_after(value.decode("latin-1"))
+            break
+    body = response.body_if_complete()
+    if body is None:
+        try:
+            async with asyncio.timeout(REFUSAL_READ_S):
+                body = await response.read_all(REFUSAL_BODY_LIMIT)
+        except (TimeoutError, UpstreamError):
+            response.abort()
+            body = b""
+    response.release()
+    reason = body[:REFUSAL_NOTE_BYTES].decode("utf-8", "replace").strip().replace("\n", " ")
+    return Refusal.refused(status, retry_after, f"{status} {reason}".rstrip())
+
+
+class HttpProxy:
+    """Places and relays plain HTTP requests over one pool of replica connections."""
+
+    def __init__(self, pool: UpstreamPool, metrics: EdgeMetrics) -> None:
+        self.pool = pool
+        self.metrics = metrics
+
+    async def attempt(
+        self, replica: ReplicaConfig, data: bytes, options: EdgeOptions, head_only: bool
+    ) -> UpstreamResponse | Refusal:
+        try:
+            response = await self.pool.request(
+                replica.url,
+                data,
+                connect_timeout=options.connect_timeout_s,
+                header_timeout=options.upstream_header_timeout_s,
+                head_only=head_only,
+            )
+        except UpstreamUnavailable as exc:
+            log.debug("%s", exc)
+            return Refusal.unreached(f"unreachable ({exc})")
+        status = response.status
+        if status == 503 or status == 421:
+            return await _refusal(response, replica)
+        return response
+
+    async def place(
+        self,
+        request: BaseRequest,
+        slice_config: SliceConfig,
+        session_id: str,
+        data: bytes,
+        options: EdgeOptions,
+        policy: RetryPolicy,
+        tally: Tally,
+        started: float,
+    ) -> UpstreamResponse:
+        head_only = request.method == "HEAD"
+
+        async def attempt(replica: ReplicaConfig) -> UpstreamResponse | Refusal:
+            return await self.attempt(replica, data, options, head_only)
+
+        return await place(slice_config, session_id, policy, attempt, tally, started=started)
+
+    async def forward(
+        self,
+        request: BaseRequest,
+        kind: Kind,
+        target: str,
+        headers: RawHeaders,
+        slice_config: SliceConfig,
+        session_id: str,
+        options: EdgeOptions,
+        policy: RetryPolicy,
+        record: AccessRecord,
+        started: float,
+    ) -> tuple[web.StreamResponse, Outcome]:
+        """Place the request and relay the answer; returns the response and how it ended."""
+        tally = record.tally
+        body = await read_body(request, headers, options.max_request_body_bytes)
+        owner = slice_config.replica(slice_config.ring.owner(session_id))
+        host = self.pool.origin(owner.url).host_header
+        data = upstream_request(request, target, headers, body, host, callback=False)
+        try:
+            response = await self.place(
+                request, slice_config, session_id, data, options, policy, tally, started
+            )
+        except PlacementFailed as exc:
+            return placement_failed(exc, slice_config, policy, kind, self.metrics)
+        except UpstreamTimeout as exc:
+            log.warning("%s", exc)
+            return answer(504, f"replica {tally.replica} did not answer in time"), Outcome.TIMED_OUT
+        except UpstreamBadResponse as exc:
+            log.warning("%s", exc)
+            return answer(502, f"replica {tally.replica} sent an unusable answer"), (
+                Outcome.UPSTREAM_ERROR
+            )
+        self.metrics.placement[kind].observe(asyncio.get_running_loop().time() - started)
+        return await relay(request, response, kind, options, self.metrics, record)
+
+
+def placement_failed(
+    exc: PlacementFailed,
+    slice_config: SliceConfig,
+    policy: RetryPolicy,
+    kind: Kind,
+    metrics: EdgeMetrics,
+) -> tuple[web.Response, Outcome]:
+    if exc.reason is GiveUpReason.MISROUTED:
+        text = (
+            f"every replica of slice {slice_config.name} answered 421: none mounts this "
+            "session's shard, so the edge's slice configuration is wrong"
+        )
+        return answer(502, text), Outcome.MISROUTED
+    metrics.exhausted[kind].inc()
+    log.warning(
+        "retry budget of %g s exhausted on slice %s; last answer %s",
+        policy.budget_s,
+        slice_config.name,
+        exc.note,
+    )
+    text = (
+        f"no replica of slice {slice_config.name} could take this session within "
+        f"{policy.budget_s:g} s; last answer from {exc.note}"
+    )
+    return answer(503, text, retry_after=True), Outcome.EXHAUSTED
+
+
+async def relay(
+    request: BaseRequest,
+    response: UpstreamResponse,
+    kind: Kind,
+    options: EdgeOptions,
+    metrics: EdgeMetrics,
+    record: AccessRecord,
+) -> tuple[web.StreamResponse, Outcome]:
+    """Pass a replica's answer on: in one write when it is complete, else streamed."""
+    try:
+        body = response.body_if_complete()
+        if body is not None:
+            keep_length = request.method == "HEAD"
+            out = web.Response(
+                status=response.status,
+                body=body,
+                headers=response_headers(response.headers, keep_length=keep_length),
+            )
+            return out, Outcome.DELIVERED
+        return await _stream(request, response, kind, options, metrics, record)
+    finally:
+        response.release()
+
+
+async def _stream(
+    request: BaseRequest,
+    response: UpstreamResponse,
+    kind: Kind,
+    options: EdgeOptions,
+    metrics: EdgeMetrics,
+    record: AccessRecord,
+) -> tuple[web.StreamResponse, Outcome]:
+    out = web.StreamResponse(
+        status=response.status, headers=response_headers(response.headers, keep_length=True)
+    )
+    await out.prepare(request)
+    record.answered(out.status)
+    if kind is Kind.SSE:
+        gauge = metrics.streams[Kind.SSE]
+        gauge.inc()
+        try:
+            return await _pump(request, response, out, SSE_IDLE_S, kind)
+        finally:
+            gauge.dec()
+    return await _pump(request, response, out, options.upstream_header_timeout_s, kind)
+
+
+async def _pump(
+    request: BaseRequest,
+    response: UpstreamResponse,
+    out: web.StreamResponse,
+    idle: float,
+    kind: Kind,
+) -> tuple[web.StreamResponse, Outcome]:
+    try:
+        while True:
+            async with asyncio.timeout(idle):
+                chunk = await response.read()
+            if not chunk:
+                break
+            await out.write(chunk)
+    except TimeoutError:
+        log.warning("a %s stream from a replica was silent for %g s; closing it", kind, idle)
+        _break(request)
+        return out, Outcome.TIMED_OUT
+    except UpstreamError as exc:
+        log.warning("%s", exc)
+        _break(request)
+        return out, Outcome.UPSTREAM_ERROR
+    await out.write_eof()
+    return out, Outcome.DELIVERED
+
+
+def _break(request: BaseRequest) -> None:
+    # Ending the response normally would tell the client the body is whole.
+    transport = request.transport
+    if transport is not None:
+        transport.abort()

@@ -1,0 +1,374 @@
+"""The serving edge: one aiohttp low-level server, its lifecycle, reloads and drain.
+
+Requests are dispatched by :func:`edge.classify.classify` rather than a router: the edge has a
+handful of routes and the hot path should not pay for URL matching, middlewares or an
+application object per request. Each handler runs with ``handler_cancellation`` on, so a client
+that goes away cancels its request wherever it is: in placement (no more retries; the replica
+connection is aborted), in a stream, or in a WebSocket relay.
+
+Lifecycle: ``STARTING`` -> ``SERVING`` -> ``DRAINING`` -> ``STOPPED``. Draining goes in ordered
+stages, each bounded:
+
+1. ``/readyz`` answers 503 and the listening sockets close (no new connections);
+2. idle keep-alive connections close, busy ones close after their current request;
+3. requests, streams and WebSockets in progress get up to ``drain_grace_s`` to finish;
+4. whatever is still running is cancelled (WebSockets are closed with 1001) and awaited;
+5. the replica connection pools and the metrics listener close.
+
+A reload (SIGHUP in ``fleet-edge serve``) swaps the configuration for new requests; requests in
+progress keep the ring and budget they started with. A configuration that does not load is
+logged and the running one kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from aiohttp import web
+from aiohttp.web_request import BaseRequest
+
+from edge import accesslog
+from edge.accesslog import AccessRecord, install_redaction
+from edge.callbacks import CallbackLimits, forward_callback
+from edge.classify import Kind, Local, Probe, Refused, Routed, classify
+from edge.config import EdgeConfig, load_config
+from edge.errors import ConfigError, RoutingError
+from edge.metrics import EdgeMetrics, Outcome, start_metrics_server
+from edge.proxy import HttpProxy, answer
+from edge.retry import RetryPolicy
+from edge.upstream import UpstreamPool
+from edge.websocket import WebSocketProxy
+
+log = logging.getLogger("edge.server")
+
+# How long cancelled handlers get to close their sockets once the grace is over.
+CANCEL_WAIT_S: Final = 10.0
+
+
+class Lifecycle(enum.Enum):
+    STARTING = enum.auto()
+    SERVING = enum.auto()
+    DRAINING = enum.auto()
+    STOPPED = enum.auto()
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """A loaded config plus what the hot path derives from it, built once per (re)load."""
+
+    config: EdgeConfig
+    policy: RetryPolicy
+    callback_policy: RetryPolicy
+
+    @classmethod
+    def of(cls, config: EdgeConfig) -> Runtime:
+        options = config.options
+        return cls(config, options.retry_policy(), options.callback_policy())
+
+
+class Edge:
+    """One edge listener. Create with :func:`start_edge`; stop with :meth:`drain`."""
+
+    def __init__(self, config: EdgeConfig, metrics: EdgeMetrics | None = None) -> None:
+        self.runtime = Runtime.of(config)
+        self.metrics = metrics if metrics is not None else EdgeMetrics()
+        self.state = Lifecycle.STARTING
+        self.pool = UpstreamPool()
+        self._http = HttpProxy(self.pool, self.metrics)
+        self._ws = WebSocketProxy(self.metrics)
+        self._limits = CallbackLimits(config.options)
+        self._tasks: set[asyncio.Task[object]] = set()
+        self._idle = asyncio.Event()
+        self._runner: web.ServerRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
+        self.host = ""
+        self.port = 0
+        self.metrics_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def start(
+        self, host: str, port: int, *, metrics_host: str | None = None, metrics_port: int = 0
+    ) -> None:
+        install_redaction()
+        options = self.runtime.config.options
+        server = web.Server(
+            self._handle,
+            handler_cancellation=True,
+            access_log=None,
+            max_line_size=options.max_header_bytes,
+            max_field_size=options.max_header_bytes,
+        )
+        runner = web.ServerRunner(server, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+            if metrics_host is not None:
+                self._metrics_runner = await start_metrics_server(
+                    self.metrics, metrics_host, metrics_port
+                )
+                self.metrics_port = self._metrics_runner.addresses[0][1]
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.host = host
+        self.port = runner.addresses[0][1]
+        self.state = Lifecycle.SERVING
+
+    def reload(self, config: EdgeConfig) -> None:
+        """Serve new requests with ``config``; requests in progress keep theirs."""
+        self.runtime = Runtime.of(config)
+        self._limits.reconfigure(config.options)
+
+    async def reload_from(self, path: Path | str) -> bool:
+        try:
+            config = await asyncio.to_thread(load_config, path)
+        except ConfigError as exc:
+            self.metrics.reloads["failed"].inc()
+            log.error("config reload failed, still serving the previous config: %s", exc)
+            return False
+        self.reload(config)
+        self.metrics.reloads["ok"].inc()
+        slices = ", ".join(f"{s.name}({len(s.replicas)})" for s in config.slices)
+        log.info("config reloaded from %s: slices %s", path, slices)
+        return True
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Stop accepting, let work in progress finish within the grace, then stop."""
+        if self.state in (Lifecycle.DRAINING, Lifecycle.STOPPED):
+            return
+        self.state = Lifecycle.DRAINING
+        grace = self.runtime.config.options.drain_grace_s if grace_s is None else grace_s
+        runner = self._runner
+        if runner is not None:
+            for site in list(runner.sites):
+                await site.stop()
+            if runner.server is not None:
+                runner.server.pre_shutdown()
+        if self._tasks:
+            log.info("draining: %d requests in progress, up to %g s", len(self._tasks), grace)
+            self._idle.clear()
+            try:
+                async with asyncio.timeout(grace):
+                    await self._idle.wait()
+            except TimeoutError:
+                left = list(self._tasks)
+                log.warning("drain grace over: cancelling %d requests still running", len(left))
+                for task in left:
+                    task.cancel()
+                await asyncio.wait(left, timeout=CANCEL_WAIT_S)
+        if runner is not None:
+            await runner.cleanup()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+        await self._ws.close()
+        await self.pool.close()
+        self.state = Lifecycle.STOPPED
+        log.info("edge stopped")
+
+    # --- requests ------------------------------------------------------------------------------
+
+    async def _handle(self, request: BaseRequest) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        target = request.raw_path
+        if not target.isascii():
+            # aiohttp hands over the raw bytes decoded as UTF-8 with surrogates; the replica
+            # reads them as latin-1, and so must the classifier and the bytes sent on.
+            target = target.encode("utf-8", "surrogateescape").decode("latin-1")
+        headers = request.raw_headers
+        decision = classify(request.method, target, list(headers))
+        if isinstance(decision, Local):
+            return self._probe(decision.probe)
+        record = AccessRecord(request.method, target.partition("?")[0].partition("#")[0])
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self.metrics.in_flight.inc()
+        try:
+            response = await self._dispatch(request, decision, target, record, started)
+            record.status = response.status
+            return response
+        except (asyncio.CancelledError, ConnectionError):
+            if not record.status:
+                record.outcome = Outcome.CLIENT_GONE
+            raise
+        finally:
+            self._tasks.discard(task)
+            self.metrics.in_flight.dec()
+            if not self._tasks:
+                self._idle.set()
+            self._account(record)
+            accesslog.write(record, loop.time() - started)
+
+    def _probe(self, probe: Probe) -> web.Response:
+        if probe is Probe.LIVEZ:
+            return web.Response(text="ok\n")
+        if self.state is Lifecycle.SERVING:
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text=f"not ready: {self.state.name.lower()}\n")
+
+    def _account(self, record: AccessRecord) -> None:
+        metrics = self.metrics
+        kind = record.kind
+        metrics.requests[(kind, record.outcome)].inc()
+        tally = record.tally
+        if tally.attempts > 1 or tally.misdirected or tally.unreachable:
+            # Only placements that met a refusal have anything to add.
+            for counter, value in (
+                (metrics.retries, tally.retries),
+                (metrics.walk_steps, tally.walk_steps),
+                (metrics.misdirected, tally.misdirected),
+                (metrics.unreachable, tally.unreachable),
+            ):
+                if value:
+                    counter[kind].inc(value)
+
+    async def _dispatch(
+        self,
+        request: BaseRequest,
+        decision: Routed | Refused,
+        target: str,
+        record: AccessRecord,
+        started: float,
+    ) -> web.StreamResponse:
+        if isinstance(decision, Refused):
+            record.kind = decision.kind
+            record.outcome = Outcome.REJECTED
+            return answer(decision.status, decision.reason)
+        kind = record.kind = decision.kind
+        runtime = self.runtime
+        options = runtime.config.options
+        if len(self._tasks) > options.max_concurrent_requests:
+            record.outcome = Outcome.SHED
+            text = "the edge is at its concurrent request limit; retry"
+            return answer(503, text, retry_after=True)
+        headers = request.raw_headers
+        try:
+            _, slice_config = runtime.config.route(decision.session_id)
+            if kind is Kind.CALLBACK:
+                response, outcome = await forward_callback(
+                    self._http,
+                    self._limits,
+                    request,
+                    target,
+                    headers,
+                    slice_config,
+                    decision.session_id,
+                    options,
+                    runtime.callback_policy,
+                    record,
+                    started,
+                    self.metrics,
+                )
+            elif kind is Kind.WEBSOCKET:
+                response, outcome = await self._ws.forward(
+                    request,
+                    target,
+                    headers,
+                    slice_config,
+                    decision.session_id,
+                    options,
+                    runtime.policy,
+                    record,
+                    started,
+                )
+            else:
+                response, outcome = await self._http.forward(
+                    request,
+                    kind,
+                    target,
+                    headers,
+                    slice_config,
+                    decision.session_id,
+                    options,
+                    runtime.policy,
+                    record,
+                    started,
+                )
+        except RoutingError as exc:
+            record.outcome = Outcome.REJECTED
+            return answer(exc.status, str(exc))
+        record.outcome = outcome
+        return response
+
+
+async def start_edge(
+    config: EdgeConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    metrics: EdgeMetrics | None = None,
+    metrics_host: str | None = None,
+    metrics_port: int = 0,
+) -> Edge:
+    """A started edge on ``host:port`` (port 0 picks a free one: read ``edge.port``)."""
+    edge = Edge(config, metrics)
+    await edge.start(host, port, metrics_host=metrics_host, metrics_port=metrics_port)
+    return edge
+
+
+async def serve(
+    config_path: Path,
+    config: EdgeConfig,
+    host: str,
+    port: int,
+    metrics_address: tuple[str, int] | None,
+) -> int:
+    """``fleet-edge serve`` in a running loop: until SIGTERM or SIGINT, reloading on SIGHUP."""
+    loop = asyncio.get_running_loop()
+    edge = Edge(config)
+    try:
+        if metrics_address is None:
+            await edge.start(host, port)
+        else:
+            await edge.start(
+                host, port, metrics_host=metrics_address[0], metrics_port=metrics_address[1]
+            )
+    except OSError as exc:
+        log.error("cannot listen: %s", exc)
+        return 1
+    stop = asyncio.Event()
+    reloads: set[asyncio.Task[bool]] = set()
+
+    def on_hup() -> None:
+        task = loop.create_task(edge.reload_from(config_path))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    metrics_text = (
+        f", metrics on http://{metrics_address[0]}:{edge.metrics_port}/metrics"
+        if metrics_address is not None
+        else ""
+    )
+    log.info("serving on %s%s", edge.url, metrics_text)
+    # One machine-readable line on stdout, for supervisors that asked for port 0.
+    print(f"fleet-edge listening on {edge.url}", flush=True)
+    try:
+        await stop.wait()
+        log.info("stop requested: draining")
+        await edge.drain()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        await asyncio.gather(*reloads, return_exceptions=True)
+    return 0

@@ -1,0 +1,274 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from edge.errors import UpstreamBadResponse, UpstreamTimeout, UpstreamUnavailable
+from edge.upstream import Origin, UpstreamPool
+from tests.edge_fakes import free_port
+
+Conn = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+GET = b"GET /x HTTP/1.1\r\nHost: r\r\n\r\n"
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi"
+
+
+class Raw:
+    """A raw TCP server: each connection runs ``serve``; counts connections and EOFs."""
+
+    def __init__(self, serve: Conn) -> None:
+        self.serve = serve
+        self.connections = 0
+        self.eofs = 0
+        self.port = 0
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.serve(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@asynccontextmanager
+async def raw(serve: Conn) -> AsyncIterator[Raw]:
+    server = Raw(serve)
+    listener = await asyncio.start_server(server._conn, "127.0.0.1", 0)
+    server.port = listener.sockets[0].getsockname()[1]
+    try:
+        yield server
+    finally:
+        listener.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    return await reader.readuntil(b"\r\n\r\n")
+
+
+async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    for _ in range(10):
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+
+
+async def request(pool: UpstreamPool, url: str, **kw: float | None) -> tuple[int, bytes]:
+    response = await pool.request(
+        url,
+        GET,
+        connect_timeout=float(kw.get("connect_timeout") or 1.0),
+        header_timeout=kw.get("header_timeout", 2.0),
+    )
+    try:
+        return response.status, await response.read_all(1 << 20)
+    finally:
+        response.release()
+
+
+@pytest.mark.anyio
+async def test_connections_are_reused() -> None:
+    pool = UpstreamPool()
+    async with raw(answer_each) as server:
+        for _ in range(3):
+            assert await request(pool, server.url) == (200, b"hi")
+        assert server.connections == 1 and pool.connects == 1
+        assert pool.idle_count(server.url) == 1
+    await pool.close()
+
+
+@pytest.mark.anyio
+async def test_a_body_is_handed_over_as_it_arrives() -> None:
+    second = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await second.wait()
+        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await writer.drain()
+        await read_request(reader)
+
+    pool = UpstreamPool()
+    async with raw(serve) as server:
+        response = await pool.request(server.url, GET, connect_timeout=1, header_timeout=1)
+        assert response.status == 200 and not response.complete
+        assert await response.read() == b"first"
+        second.set()
+        assert await response.read() == b"second"
+        assert await response.read() == b""
+        assert response.keep_alive
+        response.release()
+        assert pool.idle_count(server.url) == 1
+    await pool.close()
+
+
+@pytest.mark.anyio
+async def test_refused_connection_is_unavailable() -> None:
+    pool = UpstreamPool()
+    with pytest.raises(UpstreamUnavailable):
+        await request(pool, f"http://127.0.0.1:{free_port()}")
+    await pool.close()
+
+
+@pytest.mark.anyio
+async def test_close_before_any_byte_is_unavailable_after_some_is_bad() -> None:
+    async def close_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+
+    async def half_a_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-")
+        await writer.drain()
+
+    pool = UpstreamPool()
+    async with raw(close_at_once) as server:
+        with pytest.raises(UpstreamUnavailable):
+            await request(pool, server.url)
+    async with raw(half_a_head) as server:
+        with pytest.raises(UpstreamBadResponse):
+            await request(pool, server.url)
+    await pool.close()
+
+
+@pytest.mark.anyio
+async def test_garbage_and_cut_bodies_are_bad_responses() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await writer.drain()
+
+    pool = UpstreamPool()
+    async with raw(garbage) as server:
+        with pytest.raises(UpstreamBadResponse):
+            await request(pool, server.url)
+    async with raw(cut) as server:
+        with pytest.raises(UpstreamBadResponse):
+            await request(pool, server.url)
+        assert pool.idle_count(server.url) == 0
+    await pool.close()
+
+
+@pytest.mark.anyio
+async def test_header_timeout_aborts_the_connection() -> None:
+    saw_eof = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await reader.read()  # returns at EOF: the edge gave up
+        saw_eof.set()
+
+    pool = UpstreamPool()
+    async with raw(silent) as server:
+        with pytest.raises(UpstreamTimeout):
+            await request(pool, server.url, header_timeout=0.1)
+        await asyncio.wait_for(saw_eof.wait(), 2)
+    await pool.close()
+
+
+@pytest.mark.anyio
+async def test_cancelling_a_request_aborts_the_connection() -> None:
+    saw_eof = asyncio.Event()
+    arrived = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        arrived.set()
+        await reader.read()
+        saw_eof.set()
+
+    pool = UpstreamPool()
+    async with raw(silent) as server:
+        task = asyncio.create_task(request(pool, server.url, header_timeout=None))
+        await asyncio.wait_for(arrived.wait(), 2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(saw_eof.wait(), 2)
+    await pool.close()
+
+
+@pytest.mark.anyio
+async def test_an_idle_connection_closed_by_the_replica_is_replaced() -> None:
+    async def one_per_connection(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        # Keep-alive was offered, but the replica closes the idle connection.
+
+    pool = UpstreamPool()
+    async with raw(one_per_connection) as server:
+        assert await request(pool, server.url) == (200, b"hi")
+        await asyncio.sleep(0.05)
+        assert await request(pool, server.url) == (200, b"hi")
+        assert server.connections == 2
+    await pool.close()
+
+
+@pytest.mark.anyio
+async def test_stale_idle_connections_are_not_reused() -> None:
+    pool = UpstreamPool(idle_ttl_s=0.05)
+    async with raw(answer_each) as server:
+        await request(pool, server.url)
+        await asyncio.sleep(0.1)
+        await request(pool, server.url)
+        assert server.connections == 2
+    await pool.close()
+
+
+@pytest.mark.anyio
+async def test_informational_responses_are_skipped_and_eof_ends_an_unframed_body() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\n\r\nto the end")
+        await writer.drain()
+
+    pool = UpstreamPool()
+    async with raw(serve) as server:
+        assert await request(pool, server.url) == (201, b"to the end")
+        assert pool.idle_count(server.url) == 0
+    await pool.close()
+
+
+@pytest.mark.anyio
+async def test_connection_close_is_not_pooled() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nhi")
+        await writer.drain()
+        await reader.read()
+
+    pool = UpstreamPool()
+    async with raw(serve) as server:
+        assert await request(pool, server.url) == (200, b"hi")
+        assert pool.idle_count(server.url) == 0
+    await pool.close()
+
+
+def test_origin_parsing() -> None:
+    origin = Origin.parse("http://127.0.0.1:9101")
+    assert (origin.host, origin.port, origin.tls, origin.host_header) == (
+        "127.0.0.1",
+        9101,
+        False,
+        b"127.0.0.1:9101",
+    )
+    assert Origin.parse("https://[::1]:8443").host_header == b"[::1]:8443"
+    with pytest.raises(ValueError, match="origin"):
+        Origin.parse("ftp://x:1")
