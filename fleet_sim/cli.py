@@ -158,11 +158,93 @@ def _run_grant(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- up ---
+
+
+def _register_up(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "up",
+        help="run a whole local fleet (the main command)",
+        description=(
+            "Start the control plane, the sandbox service, a model server, two slices of three "
+            "replicas on local-directory storage and one edge, all under --dir; print how to "
+            "talk to a session. Ctrl-C drains and stops everything and leaves the data."
+        ),
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("fleet-data"),
+        metavar="D",
+        help="state directory: keys, shards, logs (default: ./fleet-data)",
+    )
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:8080",
+        metavar="HOST:PORT",
+        help="the edge's address (default 127.0.0.1:8080; port 0 picks one)",
+    )
+    parser.add_argument(
+        "--model",
+        default="server",
+        help="server (a local OpenAI-compatible mock server, the default), mock, "
+        "stub:ttft=300ms,per_token=12ms,tokens=200, or openai:URL",
+    )
+    parser.add_argument(
+        "--state", type=Path, metavar="FILE", help="write every process's URL and pid here as JSON"
+    )
+    parser.add_argument("--drain-grace", type=float, default=30.0, metavar="S")
+    parser.set_defaults(handler=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from fleet_sim.up import UpConfig, run
+
+    if args.model != "server":
+        from replica.model import parse_model_spec
+
+        parse_model_spec(args.model)  # a bad spec is a usage error here, not six dead replicas
+    config = UpConfig(
+        state_dir=args.dir.resolve(),
+        listen=args.listen,
+        model=args.model,
+        drain_grace_s=args.drain_grace,
+    )
+    return run(config, args.state, sys.stdout)
+
+
+# --- chat ---
+
+
+def _register_chat(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "chat",
+        help="talk to a session through the edge",
+        description="Hold a session over a WebSocket through the edge: type prompts, watch the "
+        "stream. With --message, send one prompt, print the turn and exit.",
+    )
+    parser.add_argument("--edge", required=True, help="the edge's URL")
+    parser.add_argument("--session", required=True, metavar="ID")
+    parser.add_argument("--grant", required=True, help="the session's x-beyond-grant")
+    parser.add_argument("--message", help="send this one prompt and exit after its turn")
+    parser.set_defaults(handler=_run_chat)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from fleet_sim.chat import chat
+
+    return asyncio.run(chat(args.edge, args.session, args.grant, args.message))
+
+
 # --- wiring ---
 
 _REGISTRARS: Final[
     tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...]
 ] = (
+    _register_up,
+    _register_chat,
     _register_keys,
     _register_grant,
 )
@@ -174,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run and prove a fleet of edge and replicas on one machine.",
         epilog=(
             "example:\n"
+            "  fleet-sim up                 # a whole fleet on this machine\n"
             "  fleet-sim keys --dir ./keys\n"
             "  fleet-sim grant --keys ./keys --tenant acme --session a07-s3.demo\n\n"
             "Run 'fleet-sim COMMAND --help' for a command's options."

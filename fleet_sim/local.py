@@ -1,4 +1,5 @@
-"""A local fleet of real processes: keys, a sandbox service, replicas, grants.
+"""A local fleet of real processes: keys, a sandbox service, a model server, a control plane,
+replicas and edges, and grants for them.
 
 Everything listens on 127.0.0.1 with ports the kernel picks; each process prints one JSON line
 (or its URL) once listening, which is how the fleet learns where it is. ``Fleet.close`` kills
@@ -21,7 +22,7 @@ from typing import IO, Any
 
 import httpx
 
-from fleet_sim.keys import KeySet, generate_keyset, mint_grant
+from fleet_sim.keys import KeySet, generate_keyset, load_keyset, mint_grant
 from fleet_sim.sandbox import sandbox_exec
 from replica.keyfiles import read_key_file
 
@@ -31,6 +32,14 @@ START_TIMEOUT_S = 20.0
 
 def _python(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
+
+
+def listening(line: str) -> dict[str, Any]:
+    """What a process printed once listening: a JSON object, or a line ending in its URL."""
+    if line.startswith("{"):
+        info: dict[str, Any] = json.loads(line)
+        return info
+    return {"url": line.split()[-1].rstrip("/")}
 
 
 @dataclass
@@ -115,13 +124,28 @@ class Replica:
         self.proc.signal(signal.SIGTERM)
 
 
+@dataclass
+class Service:
+    """Any other process of the fleet (edge, control plane, model server)."""
+
+    name: str
+    url: str
+    metrics_url: str | None
+    proc: Proc
+
+
 class Fleet:
     """Keys, one sandbox service and any number of replicas, all under one directory."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.keys: KeySet = generate_keyset(root / "keys")
         self.keys_dir = root / "keys"
+        # A fleet started again on the same directory keeps its keys, and so its data.
+        self.keys: KeySet = (
+            load_keyset(self.keys_dir)
+            if (self.keys_dir / "grant-keys.txt").exists()
+            else generate_keyset(self.keys_dir)
+        )
         self.grant_keys = (self.keys_dir / "grant-keys.txt").read_text().split()
         self.procs: list[Proc] = []
         self._sandbox: Sandbox | None = None
@@ -139,8 +163,7 @@ class Fleet:
                 "sandbox",
                 _python("fleet_sim.sandbox", "--listen", "127.0.0.1:0", "--root", str(root)),
             )
-            line = proc.readline()
-            url = line.split()[-1] if not line.startswith("{") else json.loads(line)["url"]
+            url = listening(proc.readline())["url"]
             secret = read_key_file(root / "@sandbox.key", what="sandbox secret")
             self._sandbox = Sandbox(url.rstrip("/"), secret, proc)
         return self._sandbox
@@ -176,8 +199,50 @@ class Fleet:
         if metrics:
             argv += ["--metrics-listen", "127.0.0.1:0"]
         proc = self._spawn(name, [*argv, *extra])
-        info = json.loads(proc.readline())
-        return Replica(name, info["url"], info["metrics_url"], proc)
+        info = listening(proc.readline())
+        return Replica(name, info["url"], info.get("metrics_url"), proc)
+
+    def model_server(self, *extra: str) -> Service:
+        proc = self._spawn(
+            "model", _python("fleet_sim.model_server", "--listen", "127.0.0.1:0", *extra)
+        )
+        return Service("model", listening(proc.readline())["url"], None, proc)
+
+    def control_plane(self, slices: dict[str, list[str]], edge_url: str | None) -> Service:
+        argv = _python(
+            "fleet_sim.control_plane",
+            "--listen",
+            "127.0.0.1:0",
+            "--keys",
+            str(self.keys_dir),
+            "--sandbox-url",
+            self.sandbox.url,
+            "--sandbox-secret",
+            str(self.root / "sandboxes" / "@sandbox.key"),
+            "--journal",
+            str(self.root / "lifecycle.jsonl"),
+        )
+        for name, shards in slices.items():
+            argv += ["--slice", f"{name}:{','.join(s.partition('-')[2] for s in shards)}"]
+        if edge_url:
+            argv += ["--edge-url", edge_url]
+        proc = self._spawn("control-plane", argv)
+        return Service("control-plane", listening(proc.readline())["url"], None, proc)
+
+    def edge(
+        self,
+        config: Path,
+        *,
+        listen: str = "127.0.0.1:0",
+        metrics: str | None = None,
+        name: str = "edge",
+    ) -> Service:
+        argv = _python("edge", "serve", "--config", str(config), "--listen", listen)
+        if metrics is not None:
+            argv += ["--metrics-listen", metrics]
+        proc = self._spawn(name, argv)
+        info = listening(proc.readline())
+        return Service(name, info["url"], info.get("metrics_url"), proc)
 
     def grant(
         self,

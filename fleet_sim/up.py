@@ -1,0 +1,220 @@
+"""``fleet-sim up``: a whole fleet on this machine, from one command.
+
+It starts the sandbox service, a model server, the control plane, two slices of three replicas on
+local-directory shards, and one edge in front of them, all under one state directory; prints how
+to talk to a session; and on Ctrl-C drains the replicas and stops everything, leaving the data
+(and the keys, so the next ``up`` on the same directory reads it back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from fleet_sim.local import Fleet, Replica, Service
+
+SLICES: dict[str, list[str]] = {"a07": ["a07-s1", "a07-s2"], "a08": ["a08-s1", "a08-s2"]}
+REPLICAS_PER_SLICE = 3
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True, slots=True)
+class UpConfig:
+    state_dir: Path
+    listen: str = "127.0.0.1:8080"
+    model: str = "server"
+    replicas_per_slice: int = REPLICAS_PER_SLICE
+    drain_grace_s: float = 30.0
+    idle_timeout_s: float = 60.0
+    extra_replica_args: tuple[str, ...] = ()
+
+
+@dataclass
+class LocalFleet:
+    """The processes of one ``up``, and what a tool needs to find and fault each of them."""
+
+    config: UpConfig
+    fleet: Fleet
+    edge: Service
+    control_plane: Service
+    model: Service | None
+    replicas: dict[str, tuple[str, Replica]] = field(default_factory=dict)  # name -> (slice, r)
+
+    def state(self) -> dict[str, Any]:
+        root = self.config.state_dir
+        return {
+            "edge_url": self.edge.url,
+            "edge_pid": self.edge.proc.proc.pid,
+            "edge_metrics_url": self.edge.metrics_url,
+            "edge_config": str(root / "edge.toml"),
+            "control_plane_url": self.control_plane.url,
+            "control_plane_pid": self.control_plane.proc.proc.pid,
+            "sandbox_url": self.fleet.sandbox.url,
+            "sandbox_pid": self.fleet.sandbox.proc.proc.pid,
+            "model_url": self.model.url if self.model else None,
+            "keys_dir": str(self.fleet.keys_dir),
+            "state_dir": str(root),
+            "replicas": [
+                {
+                    "name": name,
+                    "slice": slice_name,
+                    "url": r.url,
+                    "metrics_url": r.metrics_url,
+                    "pid": r.proc.proc.pid,
+                    "shards": {s: str(shard_path(root, s)) for s in SLICES[slice_name]},
+                }
+                for name, (slice_name, r) in self.replicas.items()
+            ],
+        }
+
+    def new_session(self, tenant: str = "demo") -> dict[str, Any]:
+        response = httpx.post(
+            f"{self.control_plane.url}/v1/sessions", json={"tenant": tenant}, timeout=10
+        )
+        response.raise_for_status()
+        made: dict[str, Any] = response.json()
+        return made
+
+    def stop(self, drain_timeout_s: float = 60.0) -> None:
+        """Drain replicas (they finish turns in flight), then stop the rest."""
+        for _name, (_slice, replica) in self.replicas.items():
+            replica.drain()
+        deadline = time.monotonic() + drain_timeout_s
+        for _name, (_slice, replica) in self.replicas.items():
+            with contextlib.suppress(Exception):
+                replica.proc.wait(max(0.1, deadline - time.monotonic()))
+        self.edge.proc.signal(signal.SIGTERM)
+        with contextlib.suppress(Exception):
+            self.edge.proc.wait(10)
+        self.fleet.close()
+
+
+def shard_path(root: Path, shard: str) -> Path:
+    return root / "shards" / shard
+
+
+def edge_toml(replicas: dict[str, tuple[str, Replica]], budget_s: float = 120.0) -> str:
+    lines = ["[edge]", f"retry_budget_s = {budget_s}", ""]
+    for slice_name in SLICES:
+        lines += ["[[slice]]", f'name = "{slice_name}"', "replicas = ["]
+        lines += [
+            f'  {{ name = "{name}", url = "{r.url}" }},'
+            for name, (s, r) in replicas.items()
+            if s == slice_name
+        ]
+        lines += ["]", ""]
+    return "\n".join(lines)
+
+
+def start(config: UpConfig) -> LocalFleet:
+    root = config.state_dir
+    root.mkdir(parents=True, exist_ok=True)
+    fleet = Fleet(root)
+    try:
+        host, _, port_text = config.listen.rpartition(":")
+        port = int(port_text) or free_port(host)
+        edge_url = f"http://{host}:{port}"
+        fleet.sandbox  # noqa: B018 - started first: grants name it
+        model = fleet.model_server() if config.model == "server" else None
+        model_flag = f"openai:{model.url}" if model else config.model
+        control = fleet.control_plane(SLICES, edge_url)
+        replicas: dict[str, tuple[str, Replica]] = {}
+        number = 0
+        for slice_name, shards in SLICES.items():
+            for _ in range(config.replicas_per_slice):
+                number += 1
+                name = f"r{number}"
+                replicas[name] = (
+                    slice_name,
+                    fleet.replica(
+                        name,
+                        {s: shard_path(root, s) for s in shards},
+                        "--model",
+                        model_flag,
+                        "--lifecycle-url",
+                        f"{control.url}/v1/lifecycle",
+                        "--drain-grace",
+                        str(config.drain_grace_s),
+                        "--session-idle-timeout",
+                        str(config.idle_timeout_s),
+                        *config.extra_replica_args,
+                        notify_origin=edge_url,
+                    ),
+                )
+        (root / "edge.toml").write_text(edge_toml(replicas))
+        edge = fleet.edge(
+            root / "edge.toml", listen=f"{host}:{port}", metrics=f"127.0.0.1:{free_port()}"
+        )
+    except BaseException:
+        fleet.close()
+        raise
+    return LocalFleet(config, fleet, edge, control, model, replicas)
+
+
+def instructions(local: LocalFleet, session: dict[str, Any]) -> str:
+    edge = local.edge.url
+    sid, grant = session["session_id"], session["grant"]
+    return f"""
+A fleet is running: {len(local.replicas)} replicas in {len(SLICES)} slices behind {edge}
+State and data: {local.config.state_dir}
+
+A session for tenant "demo" is ready:
+  export SID={sid}
+  export GRANT={grant}
+
+Follow it as an event stream:
+  curl -N -H "x-beyond-grant: $GRANT" "{edge}/_beyond/agent/events?session_id=$SID"
+Send it a prompt (from another terminal):
+  curl -H "x-beyond-grant: $GRANT" -H 'content-type: application/json' \\
+       -d '{{"type":"prompt","message":"hello\\nrun: uname -a"}}' \\
+       "{edge}/_beyond/agent?session_id=$SID"
+Or chat over a WebSocket:
+  fleet-sim chat --edge {edge} --session $SID --grant "$GRANT"
+More sessions: curl -d '{{"tenant":"demo"}}' {local.control_plane.url}/v1/sessions
+
+Ctrl-C drains the replicas and stops everything; the data stays.
+"""
+
+
+def run(config: UpConfig, state_file: Path | None, out: Any) -> int:
+    local = start(config)
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if state_file is not None:
+            state_file.write_text(json.dumps(local.state(), indent=2) + "\n")
+        print(instructions(local, local.new_session()), file=out, flush=True)
+        while not stop["now"]:
+            dead = [r for r in local.fleet.procs if r.proc.poll() is not None]
+            if dead:
+                print(
+                    f"fleet-sim up: a process exited: {dead[0].argv[2]} (log: {dead[0].log})",
+                    file=out,
+                    flush=True,
+                )
+                return 1
+            time.sleep(0.2)
+        print("draining and stopping...", file=out, flush=True)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        local.stop()
