@@ -99,7 +99,7 @@ async def forward_callback(
             body = await read_body(request, headers, options.max_request_body_bytes)
             data = upstream_request(request, target, headers, body, host, callback=True)
             response = await proxy.place(
-                request, slice_config, session_id, data, options, policy, tally, started
+                request, slice_config, session_id, data, options, policy, tally, started, owner
             )
             try:
                 reply = await response.read_all(CALLBACK_ANSWER_LIMIT)

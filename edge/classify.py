@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote
 
@@ -126,7 +126,16 @@ def split_target(target: str) -> tuple[str, str]:
 
 def query_values(query: str, key: str) -> list[str]:
     """Every value of ``key`` in ``query``, decoded as the replica's query parser decodes it."""
-    return [v for k, v in parse_qsl(query, keep_blank_values=True) if k == key]
+    if "%" in query or "+" in query:
+        return [v for k, v in parse_qsl(query, keep_blank_values=True) if k == key]
+    # Nothing to unquote: the same split parse_qsl makes ('&' only, first '=' splits, empty
+    # parts skipped, a bare name is a blank value), without its per-pair decoding.
+    values: list[str] = []
+    for part in query.split("&"):
+        name, _, value = part.partition("=")
+        if name == key:
+            values.append(value)
+    return values
 
 
 def _wants_websocket(headers: Iterable[tuple[bytes, bytes]]) -> bool:
@@ -151,7 +160,7 @@ def _kind(method: str, path: str, headers: Iterable[tuple[bytes, bytes]]) -> Kin
     return Kind.OTHER
 
 
-def classify(method: str, target: str, headers: list[tuple[bytes, bytes]]) -> Classified:
+def classify(method: str, target: str, headers: Sequence[tuple[bytes, bytes]]) -> Classified:
     """Decide what the edge does with a request, before reading its body.
 
     ``target`` is the raw request-target (path and query as received), ``headers`` the raw

@@ -96,6 +96,7 @@ async def place(
     tally: Tally,
     *,
     started: float,
+    owner: ReplicaConfig | None = None,
     clock: Callable[[], float] | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     jitter: Jitter = random.random,
@@ -103,15 +104,17 @@ async def place(
     """The first deliverable answer for ``session_id``; raises :class:`PlacementFailed`.
 
     ``started`` is when the request arrived, on ``clock`` (the running loop's clock by default):
-    the budget counts from there, not from the first attempt.
+    the budget counts from there, not from the first attempt. ``owner`` saves hashing the id
+    again when the caller already looked it up.
     """
-    now = clock if clock is not None else asyncio.get_running_loop().time
-    owner = slice_config.replica(slice_config.ring.owner(session_id))
+    if owner is None:
+        owner = slice_config.replica(slice_config.ring.owner(session_id))
     tally.attempts = 1
     tally.replica = owner.name
     answer = await attempt(owner)
     if not isinstance(answer, Refusal):
         return answer
+    now = clock if clock is not None else asyncio.get_running_loop().time
     plan = RetryPlan(slice_config.ring.walk(session_id), policy)
     while True:
         _note_refusal(slice_config, tally, answer)

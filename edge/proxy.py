@@ -152,8 +152,9 @@ class HttpProxy:
                 head_only=head_only,
             )
         except UpstreamUnavailable as exc:
+            # The message names the replica's address: for the log, not for the client.
             log.debug("%s", exc)
-            return Refusal.unreached(f"unreachable ({exc})")
+            return Refusal.unreached("unreachable")
         status = response.status
         if status == 503 or status == 421:
             return await _refusal(response, replica)
@@ -169,13 +170,16 @@ class HttpProxy:
         policy: RetryPolicy,
         tally: Tally,
         started: float,
+        owner: ReplicaConfig,
     ) -> UpstreamResponse:
         head_only = request.method == "HEAD"
 
         async def attempt(replica: ReplicaConfig) -> UpstreamResponse | Refusal:
             return await self.attempt(replica, data, options, head_only)
 
-        return await place(slice_config, session_id, policy, attempt, tally, started=started)
+        return await place(
+            slice_config, session_id, policy, attempt, tally, started=started, owner=owner
+        )
 
     async def forward(
         self,
@@ -198,7 +202,7 @@ class HttpProxy:
         data = upstream_request(request, target, headers, body, host, callback=False)
         try:
             response = await self.place(
-                request, slice_config, session_id, data, options, policy, tally, started
+                request, slice_config, session_id, data, options, policy, tally, started, owner
             )
         except PlacementFailed as exc:
             return placement_failed(exc, slice_config, policy, kind, self.metrics)

