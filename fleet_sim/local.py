@@ -175,13 +175,14 @@ class Fleet:
         *extra: str,
         notify_origin: str = "http://127.0.0.1:9",
         metrics: bool = True,
+        listen: str = "127.0.0.1:0",
     ) -> Replica:
         argv = _python(
             "replica",
             "serve",
             "--service",
             "--listen",
-            "127.0.0.1:0",
+            listen,
             "--name",
             name,
             "--seal-key",

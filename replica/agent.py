@@ -203,7 +203,7 @@ async def _steps(run: _Run, deps: TurnDeps) -> tuple[str, str]:
     chat = chat_history(live)
     sandbox = deps.sandbox(live)
     notify = functools.partial(deps.notify, live)  # minted only when a job is started
-    offsets: dict[str, int] = {}
+    offsets = live.owned.transcript.read_offsets()  # read on from where the model left off
     try:
         async with asyncio.timeout(budget.max_seconds):
             for _ in range(budget.max_steps):

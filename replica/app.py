@@ -13,19 +13,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from sse_starlette.event import ServerSentEvent
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
-from starlette.datastructures import QueryParams
+from starlette.datastructures import Headers, QueryParams
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from edge.classify import AuthClass, classify_authorization
 from replica import protocol
+from replica.callbacks import CallbackHandler, auth_class
 from replica.commands import CommandDeps, handle
 from replica.errors import (
     BadRequest,
@@ -103,6 +105,7 @@ class ReplicaApp:
         verifier: GrantVerifier,
         deps: CommandDeps,
         readiness: Readiness,
+        callbacks: CallbackHandler,
         keepalive_s: float = 15.0,
     ) -> None:
         self.verifier = verifier
@@ -110,6 +113,7 @@ class ReplicaApp:
         self.registry = deps.registry
         self.metrics = deps.metrics
         self.readiness = readiness
+        self.callbacks = callbacks
         self.keepalive_s = keepalive_s
         self.app = Starlette(
             routes=[
@@ -123,7 +127,15 @@ class ReplicaApp:
 
     # -- the gate ---------------------------------------------------------------------------
 
-    def authorize(self, headers: Mapping[str, str], query: QueryParams) -> Grant:
+    def authorize(self, headers: Headers, query: QueryParams) -> Grant:
+        # A job-end token belongs on POST /_beyond/agent only, and a look-alike nowhere (N21).
+        auth = classify_authorization(headers.raw)
+        if auth is AuthClass.LOOKALIKE:
+            raise Refusal(400, "malformed job-end callback authorization", "bad_request")
+        if auth is AuthClass.CALLBACK:
+            raise Refusal(
+                403, "a job-end token is accepted only on POST /_beyond/agent", "forbidden"
+            )
         token = headers.get(GRANT_HEADER)
         if token is None:
             raise Refusal(401, f"no grant: send the {GRANT_HEADER} header", "auth")
@@ -165,6 +177,8 @@ class ReplicaApp:
     # -- POST -------------------------------------------------------------------------------
 
     async def post_agent(self, request: Request) -> Response:
+        if auth_class(request) is AuthClass.CALLBACK:
+            return await self.callbacks.handle(request)
         length = request.headers.get("content-length")
         if length is None:
             return self.refused(Refusal(411, "a command needs a Content-Length", "length_required"))

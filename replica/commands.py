@@ -5,6 +5,7 @@ hand a parsed command here and deliver the frames it returns to the one client t
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import Any
 
 from replica import protocol
 from replica.agent import TurnDeps, run_turn
-from replica.errors import StoreError
+from replica.errors import ReplicaError, StoreError
 from replica.listing import list_sessions
 from replica.live import LiveSession
 from replica.metrics import ReplicaMetrics
@@ -21,6 +22,8 @@ from replica.protocol import Command
 from replica.registry import Registry
 from replica.store import Committed
 from replica.transcript import UnknownMessage, new_id
+
+log = logging.getLogger("replica.commands")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,21 @@ def state(live: LiveSession) -> dict[str, Any]:
     }
 
 
+async def _end_jobs(live: LiveSession, deps: CommandDeps) -> list[str]:
+    """A new conversation ends the old one's background jobs; returns every job id whose end
+    the new conversation must not be told of."""
+    known = set(live.owned.transcript.started_jobs)
+    try:
+        sandbox = deps.turn.sandbox(live)
+        for job in await sandbox.jobs():
+            known.add(job.job_id)
+            if job.running:
+                await sandbox.kill(job.job_id)
+    except ReplicaError as exc:
+        log.warning("could not end the old conversation's jobs: %s", exc)
+    return sorted(known)
+
+
 def _prompt(live: LiveSession, command: Command, deps: CommandDeps) -> list[dict[str, Any]]:
     if live.running:
         return [protocol.failure(command, "a turn is already running; abort it or wait")]
@@ -115,7 +133,7 @@ async def _new_session(live: LiveSession, command: Command, deps: CommandDeps) -
         return protocol.failure(command, f"could not archive the conversation: {exc}")
     if not isinstance(outcome, Committed):
         return protocol.failure(command, "could not archive the conversation: superseded")
-    if await live.reset(str(sibling)) is None:
+    if await live.reset(str(sibling), await _end_jobs(live, deps)) is None:
         return protocol.failure(command, "this replica no longer owns the session")
     title = next((str(m.extra["title"]) for m in messages if "title" in m.extra), "")
     deps.emit(

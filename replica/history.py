@@ -111,7 +111,8 @@ def read_history(session_dir: Path, sealer: RecordSealer) -> History:
                 batches += 1
                 messages += len(batch)
             elif kind == KIND_RESET:
-                history.transcript.reset()
+                jobs = record.payload.get("jobs", [])
+                history.transcript.reset(j for j in jobs if isinstance(j, str))
             else:
                 raise CorruptHistory(f"segment {epoch} record {record.index} has unknown kind")
         history.batches += batches

@@ -151,6 +151,7 @@ class LiveSession:
         self.lock = asyncio.Lock()  # serialises commits and conversation changes
         # The agent's converted copy of the transcript: (resets, messages converted, chat).
         self.chat_cache: tuple[int, int, list[Any]] | None = None
+        self.reconciler: Any = None  # replica.jobs.Reconciler, made on first use
         self._run_io = run_io
         self._queue_frames = queue_frames
         self._on_superseded = on_superseded
@@ -233,10 +234,12 @@ class LiveSession:
                 outcome = None
         return self._after(outcome)
 
-    async def reset(self, archived_to: str | None) -> Committed | None:
+    async def reset(
+        self, archived_to: str | None, closed_jobs: Sequence[str] = ()
+    ) -> Committed | None:
         async with self.lock:
             try:
-                outcome = await self._run_io(self.owned.reset, archived_to)
+                outcome = await self._run_io(self.owned.reset, archived_to, list(closed_jobs))
             except LockLost:
                 outcome = None
         return self._after(outcome)

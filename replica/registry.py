@@ -39,6 +39,7 @@ class Registry:
         storage_threads: int = 64,
         queue_frames: int = SUBSCRIBER_QUEUE_FRAMES,
         clock: Callable[[], float] = time.monotonic,
+        on_open: Callable[[LiveSession], None] = lambda live: None,
     ) -> None:
         self.stores = stores
         self.max_live = max_live
@@ -51,6 +52,7 @@ class Registry:
         self._executor = ThreadPoolExecutor(storage_threads, thread_name_prefix="storage")
         self._clock = clock
         self._queue_frames = queue_frames
+        self._on_open = on_open
         self._parking: dict[str, asyncio.Task[None]] = {}
 
     async def run_io(self, fn: Callable[..., T], *args: Any) -> T:
@@ -134,6 +136,7 @@ class Registry:
         self.sessions[sid] = live
         self.metrics.sessions_live.set(len(self.sessions))
         future.set_result(live)
+        self._on_open(live)
 
     def _superseded(self, live: LiveSession) -> None:
         self.metrics.superseded.inc()

@@ -30,9 +30,12 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 
 from replica.agent import TurnDeps
 from replica.app import ReplicaApp
+from replica.callbacks import CallbackHandler
 from replica.commands import CommandDeps
 from replica.config import ServeConfig
+from replica.errors import ReplicaError
 from replica.grants import GrantVerifier
+from replica.jobs import Reconciler
 from replica.lifecycle import Lifecycle, LifecycleConfig
 from replica.live import LiveSession
 from replica.metrics import ReplicaMetrics
@@ -103,6 +106,7 @@ class ReplicaService:
             idle_timeout_s=config.session_idle_timeout_s,
             metrics=self.metrics,
             queue_frames=config.stream_queue_frames,
+            on_open=self._on_open,
         )
         self.lifecycle = Lifecycle(
             LifecycleConfig(config.lifecycle_url),
@@ -127,16 +131,46 @@ class ReplicaService:
         verifier = GrantVerifier(
             dict(config.grant_keys), config.seal_key, audience=config.audience, issuer=config.issuer
         )
+        callbacks = CallbackHandler(
+            registry=self.registry,
+            notify_key=self.notify_key,
+            lifecycle=self.lifecycle,
+            reconciler=self.reconciler,
+            metrics=self.metrics,
+        )
         self.http = ReplicaApp(
             verifier=verifier,
             deps=self.deps,
             readiness=self.readiness,
+            callbacks=callbacks,
             keepalive_s=config.keepalive_s,
         )
+        self._background: set[asyncio.Task[None]] = set()
         self._drain_requested = asyncio.Event()
         self._force = asyncio.Event()
 
     # -- per-session pieces -----------------------------------------------------------------
+
+    def reconciler(self, live: LiveSession) -> Reconciler:
+        if live.reconciler is None:
+            live.reconciler = Reconciler(live, self._sandbox)
+        reconciler: Reconciler = live.reconciler
+        return reconciler
+
+    def _on_open(self, live: LiveSession) -> None:
+        """A session that had background jobs running when it was last open may have missed
+        their ends (its holder died, drained, or reaped it): read them back now."""
+        if not live.owned.transcript.untold_jobs:
+            return
+        task = asyncio.create_task(self._reconcile(live), name="reconcile-on-open")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reconcile(self, live: LiveSession) -> None:
+        try:
+            await self.reconciler(live).request()
+        except ReplicaError as exc:
+            log.warning("reconciling jobs on open failed: %s", exc)
 
     def _sandbox(self, live: LiveSession) -> SandboxClient:
         assert self.http_client is not None

@@ -140,12 +140,19 @@ class OwnedSession:
                 outcome = Committed(outcome.epoch, self.transcript.leaf_id, outcome.end)
             return outcome
 
-    def reset(self, archived_to: str | None) -> CommitOutcome:
-        """Start a new conversation under the same id (the old one was archived elsewhere)."""
+    def reset(self, archived_to: str | None, closed_jobs: Sequence[str] = ()) -> CommitOutcome:
+        """Start a new conversation under the same id (the old one was archived elsewhere);
+        ``closed_jobs`` ended with the old conversation and are never told to the new one."""
         with self._mutex:
-            outcome = self._append({"k": KIND_RESET, "to": archived_to, "ts": time.time()})
+            payload = {
+                "k": KIND_RESET,
+                "to": archived_to,
+                "ts": time.time(),
+                "jobs": list(closed_jobs),
+            }
+            outcome = self._append(payload)
             if isinstance(outcome, Committed):
-                self.transcript.reset()
+                self.transcript.reset(closed_jobs)
             return outcome
 
     def _append(self, payload: Mapping[str, object]) -> CommitOutcome:

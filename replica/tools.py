@@ -62,6 +62,8 @@ class Sandbox(Protocol):
 
     async def job_output(self, job_id: str, offset: int, limit: int) -> Any: ...
 
+    async def kill(self, job_id: str) -> Any: ...
+
 
 @dataclass(frozen=True, slots=True)
 class ToolResult:

@@ -87,6 +87,10 @@ class Transcript:
     messages: list[Message] = field(default_factory=list)
     _index: dict[str, int] = field(default_factory=dict, repr=False)
     resets: int = 0
+    # Background jobs whose end the model has been told of (kept across conversations, so an
+    # end is told at most once per session), and jobs the model started in this session.
+    told_jobs: set[str] = field(default_factory=set)
+    started_jobs: set[str] = field(default_factory=set)
 
     @property
     def leaf_id(self) -> str | None:
@@ -99,12 +103,33 @@ class Transcript:
         for message in batch:
             self._index[message.id] = len(self.messages)
             self.messages.append(message)
+            extra = message.extra
+            if extra:
+                job_end = extra.get("job_end")
+                if isinstance(job_end, dict) and isinstance(job_end.get("job_id"), str):
+                    self.told_jobs.add(job_end["job_id"])
+                elif extra.get("background") is True and isinstance(extra.get("job_id"), str):
+                    self.started_jobs.add(extra["job_id"])
 
-    def reset(self) -> None:
-        """A new conversation in the same session id: the old one was archived elsewhere."""
+    def reset(self, closed_jobs: Iterable[str] = ()) -> None:
+        """A new conversation in the same session id: the old one was archived elsewhere, and
+        the jobs it had were ended with it (their ends are not news to the new one)."""
         self.messages = []
         self._index = {}
         self.resets += 1
+        self.told_jobs.update(closed_jobs)
+
+    @property
+    def untold_jobs(self) -> set[str]:
+        return self.started_jobs - self.told_jobs
+
+    def read_offsets(self) -> dict[str, int]:
+        """How far the model has read each job's output, from the job_output results."""
+        offsets: dict[str, int] = {}
+        for message in self.messages:
+            if message.role == "tool" and isinstance(message.extra.get("next_offset"), int):
+                offsets[str(message.extra.get("job_id"))] = message.extra["next_offset"]
+        return offsets
 
     def since(self, message_id: str | None) -> Sequence[Message]:
         if message_id is None:
