@@ -121,6 +121,17 @@ def is_chunked(headers: RawHeaders) -> bool:
     return False
 
 
+def declared_length(headers: RawHeaders) -> int | None:
+    """The ``Content-Length`` a response declares, if it declares exactly one valid one."""
+    found: int | None = None
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            if found is not None or not value.isdigit():
+                return None
+            found = int(value)
+    return found
+
+
 def _text(value: bytes) -> str:
     # aiohttp serialises header values as UTF-8: decode so that valid UTF-8 round-trips
     # exactly; anything else is replaced rather than letting one odd byte fail the response.

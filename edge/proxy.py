@@ -37,7 +37,14 @@ from edge.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from edge.headers import RawHeaders, chunked_body, is_chunked, request_head, response_headers
+from edge.headers import (
+    RawHeaders,
+    chunked_body,
+    declared_length,
+    is_chunked,
+    request_head,
+    response_headers,
+)
 from edge.metrics import EdgeMetrics, Outcome
 from edge.placement import PlacementFailed, Refusal, Tally, place
 from edge.retry import GiveUpReason, RetryPolicy, parse_retry_after
@@ -47,6 +54,10 @@ log = logging.getLogger("edge.proxy")
 
 # Longer than the replicas' 15 s keepalive comment, so only a dead stream trips it.
 SSE_IDLE_S: Final = 45.0
+# A fixed-length answer up to this size is sent in one write with its headers: replicas often
+# write headers and body separately, and waiting the moment for the rest saves the client a
+# packet and the edge a loop turn. Event streams and longer bodies are streamed as they come.
+COALESCE_LIMIT: Final = 64 * 1024
 # How much of a refusal's body is kept for the log, and how long the edge waits for it.
 REFUSAL_NOTE_BYTES: Final = 512
 REFUSAL_BODY_LIMIT: Final = 64 * 1024
@@ -256,6 +267,18 @@ async def relay(
     """Pass a replica's answer on: in one write when it is complete, else streamed."""
     try:
         body = response.body_if_complete()
+        if body is None and kind is not Kind.SSE:
+            length = declared_length(response.headers)
+            if length is not None and length <= COALESCE_LIMIT:
+                try:
+                    async with asyncio.timeout(options.upstream_header_timeout_s):
+                        body = await response.read_all(length)
+                except TimeoutError:
+                    log.warning("a replica stalled mid-answer; answering 504")
+                    return answer(504, "the replica stalled mid-answer"), Outcome.TIMED_OUT
+                except UpstreamError as exc:
+                    log.warning("%s", exc)
+                    return answer(502, "the replica's answer broke off"), Outcome.UPSTREAM_ERROR
         if body is not None:
             keep_length = request.method == "HEAD"
             out = web.Response(

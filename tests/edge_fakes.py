@@ -203,15 +203,20 @@ FAST: dict[str, Any] = {
 
 @asynccontextmanager
 async def fleet(
-    *replicas: FakeReplica, dead: Sequence[str] = (), **options: Any
+    *replicas: FakeReplica,
+    dead: Sequence[str] = (),
+    extra: Sequence[tuple[str, str]] = (),
+    **options: Any,
 ) -> AsyncIterator[Edge]:
-    """Start the replicas and an edge over them (plus ``dead`` names on closed ports)."""
+    """Start the replicas and an edge over them, plus ``dead`` names on closed ports and
+    ``extra`` (name, url) members served by something else."""
     async with AsyncExitStack() as stack:
         for replica in replicas:
             await replica.start()
             stack.push_async_callback(replica.close)
         members: list[FakeReplica | tuple[str, str]] = list(replicas)
         members += [(name, f"http://127.0.0.1:{free_port()}") for name in dead]
+        members += list(extra)
         edge = await start_edge(edge_config(members, **{**FAST, **options}))
         stack.push_async_callback(edge.drain, 0.5)
         yield edge

@@ -286,3 +286,41 @@ async def test_sse_is_streamed_unbuffered_with_last_event_id_forwarded() -> None
         assert sample(edge, "edge_open_streams", kind="sse") == 0
     assert r1.seen[0].header("Last-Event-ID") == [b"m0"]
     assert r1.seen[0].raw_target == url
+
+
+@pytest.mark.parametrize(("pause", "status", "body"), [(0.05, 200, b"whole"), (1.0, 504, None)])
+@pytest.mark.anyio
+async def test_a_short_answer_written_in_two_parts_is_sent_whole(
+    pause: float, status: int, body: bytes | None
+) -> None:
+    done = asyncio.Event()
+
+    async def split(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(2)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Session-Id: a07-s1.x\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(pause)
+            writer.write(b"whole")
+            await writer.drain()
+            await reader.read()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+            done.set()
+
+    server = await asyncio.start_server(split, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with fleet(upstream_header_timeout_s=0.5, extra=[("r1", url)]) as edge:
+            got_status, got_body, headers = await call(
+                "POST", agent(edge.url, "a07-s1.x"), data=b"{}"
+            )
+        await asyncio.wait_for(done.wait(), 5)
+    finally:
+        server.close()
+    assert got_status == status
+    if body is not None:
+        assert got_body == body and headers["X-Session-Id"] == "a07-s1.x"
