@@ -13,6 +13,7 @@ import json
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,18 +42,29 @@ class UpConfig:
     drain_grace_s: float = 30.0
     idle_timeout_s: float = 60.0
     extra_replica_args: tuple[str, ...] = ()
+    retry_budget_s: float = 120.0
+
+
+ShardPath = Callable[[str, str], Path]  # (replica name, shard) -> where that replica mounts it
 
 
 @dataclass
 class LocalFleet:
-    """The processes of one ``up``, and what a tool needs to find and fault each of them."""
+    """The processes of one fleet, and what a tool needs to find, fault and restart each."""
 
     config: UpConfig
     fleet: Fleet
     edge: Service
     control_plane: Service
     model: Service | None
+    shard_path: ShardPath
+    model_flag: str
     replicas: dict[str, tuple[str, Replica]] = field(default_factory=dict)  # name -> (slice, r)
+    ports: dict[str, int] = field(default_factory=dict)  # a replica keeps its port on restart
+
+    @property
+    def edge_url(self) -> str:
+        return self.edge.url
 
     def state(self) -> dict[str, Any]:
         root = self.config.state_dir
@@ -75,7 +87,7 @@ class LocalFleet:
                     "url": r.url,
                     "metrics_url": r.metrics_url,
                     "pid": r.proc.proc.pid,
-                    "shards": {s: str(shard_path(root, s)) for s in SLICES[slice_name]},
+                    "shards": {s: str(self.shard_path(name, s)) for s in SLICES[slice_name]},
                 }
                 for name, (slice_name, r) in self.replicas.items()
             ],
@@ -88,6 +100,44 @@ class LocalFleet:
         response.raise_for_status()
         made: dict[str, Any] = response.json()
         return made
+
+    def start_replica(self, name: str, slice_name: str) -> Replica:
+        """Start (or start again, on the same port) one replica of ``slice_name``."""
+        port = self.ports.setdefault(name, free_port())
+        replica = self.fleet.replica(
+            name,
+            {s: self.shard_path(name, s) for s in SLICES[slice_name]},
+            "--model",
+            self.model_flag,
+            "--lifecycle-url",
+            f"{self.control_plane.url}/v1/lifecycle",
+            "--drain-grace",
+            str(self.config.drain_grace_s),
+            "--session-idle-timeout",
+            str(self.config.idle_timeout_s),
+            *self.config.extra_replica_args,
+            notify_origin=self.edge.url,
+            listen=f"127.0.0.1:{port}",
+        )
+        self.replicas[name] = (slice_name, replica)
+        return replica
+
+    def write_edge_config(self, members: dict[str, list[str]] | None = None) -> Path:
+        """The edge's TOML for ``members`` (slice -> replica names; default: all replicas)."""
+        if members is None:
+            members = {sl: [n for n, (s, _) in self.replicas.items() if s == sl] for sl in SLICES}
+        path = self.config.state_dir / "edge.toml"
+        path.write_text(
+            edge_toml(
+                {n: self.replicas[n] for names in members.values() for n in names},
+                self.config.retry_budget_s,
+            )
+        )
+        return path
+
+    def reload_edge(self, members: dict[str, list[str]] | None = None) -> None:
+        self.write_edge_config(members)
+        self.edge.proc.signal(signal.SIGHUP)
 
     def stop(self, drain_timeout_s: float = 60.0) -> None:
         """Drain replicas (they finish turns in flight), then stop the rest."""
@@ -103,8 +153,9 @@ class LocalFleet:
         self.fleet.close()
 
 
-def shard_path(root: Path, shard: str) -> Path:
-    return root / "shards" / shard
+def local_dirs(root: Path) -> ShardPath:
+    """Every replica sees every shard at the same local directory."""
+    return lambda replica, shard: root / "shards" / shard
 
 
 def edge_toml(replicas: dict[str, tuple[str, Replica]], budget_s: float = 120.0) -> str:
@@ -120,7 +171,7 @@ def edge_toml(replicas: dict[str, tuple[str, Replica]], budget_s: float = 120.0)
     return "\n".join(lines)
 
 
-def start(config: UpConfig) -> LocalFleet:
+def start(config: UpConfig, shard_path: ShardPath | None = None) -> LocalFleet:
     root = config.state_dir
     root.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(root)
@@ -130,39 +181,29 @@ def start(config: UpConfig) -> LocalFleet:
         edge_url = f"http://{host}:{port}"
         fleet.sandbox  # noqa: B018 - started first: grants name it
         model = fleet.model_server() if config.model == "server" else None
-        model_flag = f"openai:{model.url}" if model else config.model
         control = fleet.control_plane(SLICES, edge_url)
-        replicas: dict[str, tuple[str, Replica]] = {}
+        placeholder = Service("edge", edge_url, None, fleet.sandbox.proc)
+        local = LocalFleet(
+            config,
+            fleet,
+            placeholder,
+            control,
+            model,
+            shard_path or local_dirs(root),
+            f"openai:{model.url}" if model else config.model,
+        )
         number = 0
-        for slice_name, shards in SLICES.items():
+        for slice_name in SLICES:
             for _ in range(config.replicas_per_slice):
                 number += 1
-                name = f"r{number}"
-                replicas[name] = (
-                    slice_name,
-                    fleet.replica(
-                        name,
-                        {s: shard_path(root, s) for s in shards},
-                        "--model",
-                        model_flag,
-                        "--lifecycle-url",
-                        f"{control.url}/v1/lifecycle",
-                        "--drain-grace",
-                        str(config.drain_grace_s),
-                        "--session-idle-timeout",
-                        str(config.idle_timeout_s),
-                        *config.extra_replica_args,
-                        notify_origin=edge_url,
-                    ),
-                )
-        (root / "edge.toml").write_text(edge_toml(replicas))
-        edge = fleet.edge(
-            root / "edge.toml", listen=f"{host}:{port}", metrics=f"127.0.0.1:{free_port()}"
+                local.start_replica(f"r{number}", slice_name)
+        local.edge = fleet.edge(
+            local.write_edge_config(), listen=f"{host}:{port}", metrics=f"127.0.0.1:{free_port()}"
         )
     except BaseException:
         fleet.close()
         raise
-    return LocalFleet(config, fleet, edge, control, model, replicas)
+    return local
 
 
 def instructions(local: LocalFleet, session: dict[str, Any]) -> str:
