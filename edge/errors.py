@@ -13,6 +13,8 @@ answered by the edge itself without contacting any replica::
     │   ├── LengthRequired     a POST says neither Content-Length nor chunked     -> 411
     │   ├── BodyTooLarge       the body is over max_request_body_bytes            -> 413
     │   └── BodyIncomplete     the body ended before its announced length         -> 400
+    ├── PlacementFailed        replicas were asked and none would serve: the retry budget
+    │                          ran out (503), or every replica answered 421 (502)
     └── UpstreamError          one attempt at a replica brought back no usable answer
         ├── UpstreamUnavailable  refused, reset or closed before any response byte: the
         │                        planner treats it exactly like a 503 without Retry-After
@@ -31,6 +33,8 @@ Messages never carry a grant, a callback token or a request body: they are safe 
 from __future__ import annotations
 
 from typing import ClassVar
+
+from edge.retry import GiveUpReason
 
 
 class EdgeError(Exception):
@@ -75,6 +79,19 @@ class BodyTooLarge(RoutingError):
 
 class BodyIncomplete(RoutingError):
     status: ClassVar[int] = 400
+
+
+class PlacementFailed(EdgeError):
+    """No replica would serve the request; ``note`` is the last refusal seen (for the log)."""
+
+    def __init__(self, reason: GiveUpReason, note: str) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+        self.note = note
+
+    @property
+    def status(self) -> int:
+        return 502 if self.reason is GiveUpReason.MISROUTED else 503
 
 
 class UpstreamError(EdgeError):

@@ -22,17 +22,19 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from edge.config import ReplicaConfig, SliceConfig
+from edge.errors import PlacementFailed
 from edge.retry import (
     AttemptKind,
     AttemptResult,
     Deliver,
     GiveUp,
-    GiveUpReason,
     Jitter,
     Outcome,
     RetryPlan,
     RetryPolicy,
 )
+
+__all__ = ["PlacementFailed", "Refusal", "Tally", "place"]
 
 log = logging.getLogger("edge.placement")
 
@@ -77,15 +79,6 @@ class Tally:
         self.unreachable = 0
         self.replica = ""
         self.last_note = ""
-
-
-class PlacementFailed(Exception):
-    """No replica would serve the request: the budget ran out, or every one answered 421."""
-
-    def __init__(self, reason: GiveUpReason, note: str) -> None:
-        super().__init__(reason.value)
-        self.reason = reason
-        self.note = note
 
 
 async def place(
