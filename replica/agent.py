@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from replica import protocol
-from replica.live import LiveSession, TurnBuffer
+from replica.live import LiveSession, LiveState, TurnBuffer
 from replica.model_types import (
     ChatMessage,
     Finish,
@@ -190,11 +190,21 @@ async def _turn(live: LiveSession, prompt: str, run_id: str, deps: TurnDeps) -> 
         live.publish(protocol.event("error", run_id=run_id, error=str(exc)))
     finally:
         run.finish(reason)
-        # A cancelled task may still await: the batch is committed whatever ended the run.
+        # The batch is committed whatever ended the run. Being fenced during that commit
+        # cancels this task (supersede); the run's end is still reported below.
+        cancelled = False
         if run.pending:
-            await asyncio.shield(live.commit(run.pending))
+            try:
+                await asyncio.shield(live.commit(run.pending))
+            except asyncio.CancelledError:
+                cancelled = True
+        if live.state is LiveState.SUPERSEDED:
+            outcome, reason = "failed", "superseded"
+        live.last_outcome = outcome
         live.publish(protocol.event("turn_ended", run_id=run_id, outcome=outcome, reason=reason))
         deps.emit({"type": "run", "phase": outcome, "reason": reason, **base})
+        if cancelled:
+            raise asyncio.CancelledError
 
 
 async def _steps(run: _Run, deps: TurnDeps) -> tuple[str, str]:

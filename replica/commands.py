@@ -106,7 +106,13 @@ def _prompt(live: LiveSession, command: Command, deps: CommandDeps) -> list[dict
 
     def done(t: asyncio.Task[None]) -> None:
         deps.metrics.runs_in_flight.dec()
-        outcome = "aborted" if t.cancelled() else "failed" if t.exception() else "succeeded"
+        if t.cancelled():
+            outcome = "aborted" if live.last_outcome is None else live.last_outcome
+        elif t.exception() is not None:
+            outcome = "failed"
+        else:
+            outcome = live.last_outcome or "succeeded"
+        live.last_outcome = None
         deps.metrics.turns.labels(outcome).inc()
         live.touch()
 

@@ -152,6 +152,7 @@ class LiveSession:
         # The agent's converted copy of the transcript: (resets, messages converted, chat).
         self.chat_cache: tuple[int, int, list[Any]] | None = None
         self.reconciler: Any = None  # replica.jobs.Reconciler, made on first use
+        self.last_outcome: str | None = None  # how the latest run ended
         self._run_io = run_io
         self._queue_frames = queue_frames
         self._on_superseded = on_superseded

@@ -123,14 +123,6 @@ def test_partitioned_owner_is_fenced_and_told_so(tmp_path: Path) -> None:
     assert summary["committed_messages"] == 4 and summary["leaf_id"] == history.transcript.leaf_id
 
 
-@pytest.mark.xfail(
-    raises=KnownBug,
-    strict=True,
-    reason="LiveSession.supersede (replica/live.py) cancels the turn task unless it is the "
-    "current task, but run_turn commits its final batch inside asyncio.shield "
-    "(replica/agent.py), i.e. from another task: the turn task is cancelled in its finally "
-    "block, so the run's end is never emitted: the control plane sees a run that never ended",
-)
 def test_owner_fenced_mid_turn_still_reports_the_run_ended(tmp_path: Path) -> None:
     backing = tmp_path / "backing"
     backing.mkdir()

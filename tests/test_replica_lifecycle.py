@@ -179,13 +179,6 @@ def test_run_events_for_succeeded_failed_and_aborted_turns(
     assert receiver.for_session(sid) == expected
 
 
-@pytest.mark.xfail(
-    raises=KnownBug,
-    strict=True,
-    reason="the done callback in replica/commands.py _prompt counts a run that failed on a "
-    "model error as agent_turns_total{outcome='succeeded'}: run_turn catches ModelError, so "
-    "the turn task itself ends normally",
-)
 def test_a_failed_run_is_counted_as_failed(fleet: Fleet, replica: Replica) -> None:
     sid = new_sid()
     grant = fleet.grant("acme", sid, sandbox=False)
