@@ -238,6 +238,15 @@ def _run_chat(args: argparse.Namespace) -> int:
     return asyncio.run(chat(args.edge, args.session, args.grant, args.message))
 
 
+# --- scenarios ---
+
+
+def _register_scenarios(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from fleet_sim.sim.commands import register
+
+    register(subparsers)
+
+
 # --- wiring ---
 
 _REGISTRARS: Final[
@@ -245,6 +254,7 @@ _REGISTRARS: Final[
 ] = (
     _register_up,
     _register_chat,
+    _register_scenarios,
     _register_keys,
     _register_grant,
 )

@@ -1,0 +1,242 @@
+"""Scenarios = workload x faults x checkers, and the runner that turns one into results.
+
+A scenario is a function of a :class:`Context` (a fresh fleet on a substrate, its fault package,
+a journal) returning claim results. The runner builds the fleet, runs the scenario, grades, and
+writes ``<results>/<run>/<scenario>.json`` plus a readable summary; every process and mount it
+started is gone when it returns, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from edge.ring import Ring
+from fleet_sim.keys import derive_tenant_dek
+from fleet_sim.sim import checkers
+from fleet_sim.sim.checkers import ClaimResult
+from fleet_sim.sim.faults import Faults, LocalFaults
+from fleet_sim.sim.journal import Journal, Op, load
+from fleet_sim.sim.substrates import LeaseFs, LocalDir, NotApplicable, Substrate
+from fleet_sim.sim.workload import Session, reachable
+from fleet_sim.up import SLICES, LocalFleet, UpConfig, start
+from replica.errors import StoreError
+from replica.history import History
+from replica.names import parse_session_id
+from replica.store import SessionStore
+
+T = TypeVar("T")
+SUBSTRATES = ("local-dir", "leasefs", "attached")
+
+
+@dataclass
+class Context:
+    name: str
+    substrate: Substrate
+    fleet: LocalFleet
+    faults: Faults
+    journal: Journal
+    out_dir: Path
+    quick: bool
+    seed: int
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def edge(self) -> str:
+        return self.fleet.edge_url
+
+    def run(self, coroutine: Any) -> Any:
+        return asyncio.run(coroutine)
+
+    def tenant_on(self, slice_name: str) -> str:
+        """A tenant the control plane places on ``slice_name``."""
+        for n in range(1000):
+            tenant = f"t{n}-{self.name[:12]}"
+            made = self.fleet.new_session(tenant)
+            if made["slice"] == slice_name:
+                return tenant
+        raise RuntimeError(f"no tenant lands on slice {slice_name}")
+
+    def sessions(
+        self, count: int, *, tenant: str | None = None, slice_name: str = "a07"
+    ) -> list[Session]:
+        tenant = tenant or self.tenant_on(slice_name)
+        out = []
+        for _ in range(count):
+            made = self.fleet.new_session(tenant)
+            out.append(Session(made["session_id"], tenant, made["grant"]))
+        return out
+
+    def members(self, slice_name: str) -> list[str]:
+        return [n for n, (s, _) in self.fleet.replicas.items() if s == slice_name]
+
+    def owner(self, session_id: str, members: Sequence[str] | None = None) -> str:
+        slice_name = parse_session_id(session_id).slice
+        return Ring(tuple(members or self.members(slice_name))).owner(session_id)
+
+    def histories(self, sessions: Sequence[Session]) -> tuple[dict[str, History], dict[str, str]]:
+        found: dict[str, History] = {}
+        failures: dict[str, str] = {}
+        for s in sessions:
+            sid = parse_session_id(s.session_id)
+            store = SessionStore(self.substrate.backing(str(sid.shard)))
+            try:
+                found[s.session_id] = store.read(
+                    s.tenant, sid, derive_tenant_dek(self.fleet.fleet.keys, s.tenant)
+                )
+            except StoreError as exc:
+                failures[s.session_id] = str(exc)
+        return found, failures
+
+    def ops(self) -> list[Op]:
+        return load(self.journal.path)
+
+    def standard_claims(
+        self, sessions: Sequence[Session], *, reach_timeout_s: float = 150.0
+    ) -> list[ClaimResult]:
+        ops = self.ops()
+        histories, failures = self.histories(sessions)
+        reached = self.run(reachable(self.edge, sessions, reach_timeout_s))
+        return [
+            checkers.no_acknowledged_turn_lost_or_duplicated(ops, histories),
+            checkers.one_writer_per_epoch(histories),
+            checkers.every_transcript_verifies(
+                [s.session_id for s in sessions], histories, failures
+            ),
+            checkers.nobody_gave_up(ops),
+            checkers.sessions_reachable(reached),
+        ]
+
+
+ScenarioFn = Callable[[Context], list[ClaimResult]]
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    claims: tuple[str, ...]
+    substrates: tuple[str, ...]
+    description: str
+    run: ScenarioFn
+    fleet: dict[str, Any] = field(default_factory=dict)  # UpConfig overrides
+
+
+CATALOGUE: dict[str, Scenario] = {}
+
+
+def scenario(
+    name: str, *, claims: Sequence[str], substrates: Sequence[str] = SUBSTRATES, **fleet: Any
+) -> Callable[[ScenarioFn], ScenarioFn]:
+    def register(fn: ScenarioFn) -> ScenarioFn:
+        CATALOGUE[name] = Scenario(
+            name,
+            tuple(claims),
+            tuple(substrates),
+            " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split()),
+            fn,
+            fleet,
+        )
+        return fn
+
+    return register
+
+
+def make_substrate(name: str, root: Path) -> Substrate:
+    if name == "local-dir":
+        return LocalDir(root)
+    if name == "leasefs":
+        return LeaseFs(root)
+    raise NotApplicable(f"substrate {name} needs an attached fleet (--state, --fault-cmd)")
+
+
+def run_scenario(
+    item: Scenario, substrate_name: str, out_dir: Path, *, quick: bool = False, seed: int = 0
+) -> dict[str, Any]:
+    """Build a fleet, run one scenario on it, grade, tear everything down; the result dict."""
+    started = time.time()
+    root = out_dir / f"{item.name}.{substrate_name}"
+    root.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
+        "scenario": item.name,
+        "substrate": substrate_name,
+        "started": started,
+        "claims": [],
+    }
+    substrate = make_substrate(substrate_name, root)
+    fleet: LocalFleet | None = None
+    journal = Journal(root / "journal.jsonl")
+    try:
+        shards = [s for shards in SLICES.values() for s in shards]
+        substrate.prepare([], shards)
+        overrides = {"model": "mock", "drain_grace_s": 10.0, "idle_timeout_s": 60.0, **item.fleet}
+        config = UpConfig(state_dir=root / "fleet", listen="127.0.0.1:0", **overrides)
+        fleet = start(config, _mounting(substrate))
+        context = Context(
+            item.name, substrate, fleet, LocalFaults(fleet), journal, root, quick, seed
+        )
+        claims = item.run(context)
+        result["claims"] = [c.as_dict() for c in claims]
+        result["notes"] = context.notes
+        verdicts = {c.verdict for c in claims}
+        result["verdict"] = (
+            "fail"
+            if "fail" in verdicts or not claims
+            else "unknown"
+            if "unknown" in verdicts
+            else "pass"
+        )
+    except NotApplicable as exc:
+        result["verdict"], result["error"] = "skipped", str(exc)
+    except Exception as exc:
+        result["verdict"] = "fail"
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        journal.close()
+        if fleet is not None:
+            fleet.stop(drain_timeout_s=20)
+        substrate.close()
+    result["seconds"] = round(time.time() - started, 2)
+    (out_dir / f"{item.name}.{substrate_name}.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _mounting(substrate: Substrate) -> Callable[[str, str], Path]:
+    def shard_path(replica: str, shard: str) -> Path:
+        if isinstance(substrate, LeaseFs):
+            substrate.mount(replica)
+        return substrate.shard_path(replica, shard)
+
+    return shard_path
+
+
+def new_run_dir(results: Path, label: str) -> Path:
+    run = results / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{secrets.token_hex(2)}"
+    run.mkdir(parents=True, exist_ok=True)
+    return run
+
+
+def summary_table(results: Sequence[dict[str, Any]]) -> str:
+    lines = ["| scenario | substrate | verdict | seconds | claims |", "|---|---|---|---|---|"]
+    for r in results:
+        claims = ", ".join(f"{c['claim']}={c['verdict']}" for c in r.get("claims", []))
+        extra = f" ({r['error']})" if r.get("error") else ""
+        lines.append(
+            f"| {r['scenario']} | {r['substrate']} | {r['verdict']}{extra} | "
+            f"{r.get('seconds', '')} | {claims} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(run_dir: Path, results: Sequence[dict[str, Any]]) -> str:
+    table = summary_table(results)
+    (run_dir / "summary.md").write_text(table)
+    (run_dir / "results.json").write_text(json.dumps(list(results), indent=2))
+    return table

@@ -1,0 +1,472 @@
+"""The catalogue's ownership, placement and isolation scenarios.
+
+Each runs a workload through the real edge, breaks the fleet the way its name says, and grades
+its claims from the journal and from what storage holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from edge.ring import Ring
+from fleet_sim.keys import derive_tenant_dek
+from fleet_sim.sim import checkers
+from fleet_sim.sim.checkers import ClaimResult, verdict
+from fleet_sim.sim.scenario import Context, scenario
+from fleet_sim.sim.workload import Session, drive, prompt_ws
+from fleet_sim.up import SLICES
+from replica.locking import lock_is_free
+from replica.names import parse_session_id
+
+STANDARD = (
+    "no-acknowledged-turn-lost-or-duplicated",
+    "one-writer-per-epoch",
+    "every-transcript-verifies",
+    "nobody-gave-up-inside-the-budget",
+    "sessions-reachable",
+)
+
+
+def _run_workload_with(
+    ctx: Context, sessions: list[Session], seconds: float, fault: object = None, at: float = 0.3
+) -> dict[str, float]:
+    """Drive ``sessions`` for ``seconds`` while ``fault()`` runs ``at`` of the way in (in a
+    thread, so the clients keep going); returns when the fault happened."""
+    until = time.time() + seconds
+    marks: dict[str, float] = {}
+
+    def inject() -> None:
+        time.sleep(seconds * at)
+        marks["fault_at"] = time.time()
+        assert callable(fault)
+        fault()
+        marks["fault_done"] = time.time()
+
+    thread = threading.Thread(target=inject, daemon=True) if fault else None
+    if thread:
+        thread.start()
+    ctx.run(
+        drive(
+            ctx.edge, sessions, ctx.journal, until=until, max_ops=len(sessions) * 400, seed=ctx.seed
+        )
+    )
+    if thread:
+        thread.join(timeout=300)
+    return marks
+
+
+def _direct(
+    ctx: Context, replica: str, session: Session, body: dict[str, object]
+) -> httpx.Response:
+    url = ctx.fleet.replicas[replica][1].url
+    return httpx.post(
+        f"{url}/_beyond/agent",
+        params={"session_id": session.session_id},
+        content=json.dumps(body).encode(),
+        headers={"x-beyond-grant": session.grant},
+        timeout=30,
+    )
+
+
+@scenario("takeover-after-hard-kill", claims=(*STANDARD, "survivor-takes-over-inside-budget"))
+def takeover_after_hard_kill(ctx: Context) -> list[ClaimResult]:
+    """A replica is killed (SIGKILL) under load; survivors take its sessions over."""
+    sessions = ctx.sessions(4 if ctx.quick else 8)
+    victim = ctx.owner(sessions[0].session_id)
+    affected = [s.session_id for s in sessions if ctx.owner(s.session_id) == victim]
+    marks = _run_workload_with(
+        ctx, sessions, 6 if ctx.quick else 15, lambda: ctx.faults.kill(victim)
+    )
+    times = checkers.takeover_times(ctx.ops(), marks["fault_at"], affected)
+    budget = ctx.fleet.config.retry_budget_s
+    errors = [f"{sid}: not served again after the kill" for sid in affected][len(times) :]
+    errors += [f"a takeover took {t:.1f}s, over the {budget}s budget" for t in times if t > budget]
+    figures = {
+        "victim": victim,
+        "affected_sessions": len(affected),
+        **checkers.latency_figures(times, "takeover"),
+    }
+    ctx.notes["takeover"] = figures
+    return [
+        *ctx.standard_claims(sessions),
+        verdict("survivor-takes-over-inside-budget", errors, figures),
+    ]
+
+
+@scenario(
+    "drain-keeps-serving-what-it-owns",
+    claims=(*STANDARD, "drain-finishes-its-turns"),
+    model="stub:ttft=50ms,per_token=25ms,tokens=60",
+)
+def drain_keeps_serving(ctx: Context) -> list[ClaimResult]:
+    """SIGTERM with a grace: turns in flight finish, new placements go elsewhere, nobody is
+    refused, and the drained replica exits with its locks released."""
+    sessions = ctx.sessions(4)
+    victim = ctx.owner(sessions[0].session_id)
+    owned = [s for s in sessions if ctx.owner(s.session_id) == victim]
+    exit_code: dict[str, int] = {}
+    marks = _run_workload_with(
+        ctx,
+        sessions,
+        8 if ctx.quick else 15,
+        lambda: exit_code.setdefault("code", ctx.faults.drain(victim)),
+    )
+    ops = ctx.ops()
+    in_flight = [
+        op
+        for op in ops
+        if op.session_id in {s.session_id for s in owned}
+        and op.started < marks["fault_at"] < op.ended
+    ]
+    errors = [
+        f"a turn in flight at the drain ended {op.outcome}: {op.detail}"
+        for op in in_flight
+        if op.outcome != "ok"
+    ]
+    if exit_code.get("code") != 0:
+        errors.append(f"the drained replica exited {exit_code.get('code')}")
+    root = ctx.substrate
+    for s in owned:
+        sid = parse_session_id(s.session_id)
+        lock = root.backing(str(sid.shard)) / s.tenant / "sessions" / s.session_id / "lock"
+        if lock.exists() and not lock_is_free(lock):
+            errors.append(f"{s.session_id}: still locked after the drain")
+    figures = {"drained": victim, "turns_in_flight_at_drain": len(in_flight)}
+    return [*ctx.standard_claims(sessions), verdict("drain-finishes-its-turns", errors, figures)]
+
+
+@scenario("rolling-deploy-refuses-nobody", claims=(*STANDARD, "rolling-deploy-refuses-nobody"))
+def rolling_deploy(ctx: Context) -> list[ClaimResult]:
+    """Every replica of the slice is drained and restarted, one at a time, under load."""
+    sessions = ctx.sessions(4 if ctx.quick else 8)
+    members = ctx.members("a07")
+
+    def deploy() -> None:
+        for name in members:
+            ctx.faults.drain(name)
+            ctx.faults.restart(name)
+            ctx.faults.wait_ready(name)
+
+    _run_workload_with(ctx, sessions, 12 if ctx.quick else 30, deploy, at=0.1)
+    claims = ctx.standard_claims(sessions)
+    refused = next(c for c in claims if c.claim == "nobody-gave-up-inside-the-budget")
+    figures = {"replicas_deployed": len(members), **refused.figures}
+    return [*claims, verdict("rolling-deploy-refuses-nobody", list(refused.errors), figures)]
+
+
+@scenario(
+    "ring-change-moves-only-its-share", claims=(*STANDARD, "ring-change-moves-only-its-share")
+)
+def ring_change(ctx: Context) -> list[ClaimResult]:
+    """A replica joins the slice and the edge reloads: only the ids the new ring gives it move,
+    and a moved session whose old owner still holds it is found by the walk."""
+    sessions = ctx.sessions(6 if ctx.quick else 12)
+    ctx.run(drive(ctx.edge, sessions, ctx.journal, until=time.time() + 3, max_ops=len(sessions)))
+    before = ctx.members("a07")
+    ctx.fleet.start_replica("r9", "a07")
+    ctx.faults.wait_ready("r9")
+    ctx.fleet.reload_edge()
+    time.sleep(1.0)
+    after = ctx.members("a07")
+    sample = [f"a07-s1.ring{i:05d}" for i in range(20_000)]
+    old, new = Ring(tuple(before)), Ring(tuple(after))
+    moved = [s for s in sample if old.owner(s) != new.owner(s)]
+    wrong = [s for s in moved if new.owner(s) != "r9"]
+    share = len(moved) / len(sample)
+    errors = [f"{len(wrong)} ids moved between old replicas"] if wrong else []
+    if not 0.1 < share < 0.45:
+        errors.append(f"{share:.1%} of ids moved for one replica joining {len(before)}")
+    ctx.run(drive(ctx.edge, sessions, ctx.journal, until=time.time() + 4, max_ops=len(sessions)))
+    figures = {
+        "replicas_before": len(before),
+        "replicas_after": len(after),
+        "moved_share": round(share, 4),
+        "expected_share": round(1 / len(after), 4),
+        "sessions_whose_owner_changed": sum(
+            1 for s in sessions if old.owner(s.session_id) != new.owner(s.session_id)
+        ),
+    }
+    return [
+        *ctx.standard_claims(sessions),
+        verdict("ring-change-moves-only-its-share", errors, figures),
+    ]
+
+
+@scenario("owner-refuses-non-owner", claims=("non-owner-answers-503",))
+def owner_refuses_non_owner(ctx: Context) -> list[ClaimResult]:
+    """A session open on one replica is refused 503 + Retry-After by every other one."""
+    session = ctx.sessions(1)[0]
+    ctx.run(prompt_ws(ctx.edge, session, ctx.journal))
+    owner = ctx.owner(session.session_id)
+    errors: list[str] = []
+    answers = {}
+    for name in ctx.members("a07"):
+        if name == owner:
+            continue
+        response = _direct(ctx, name, session, {"type": "get_state"})
+        answers[name] = response.status_code
+        if response.status_code != 503 or response.headers.get("retry-after") != "1":
+            errors.append(f"{name} answered {response.status_code}, not 503 + Retry-After: 1")
+    return [verdict("non-owner-answers-503", errors, {"owner": owner, "answers": answers})]
+
+
+@scenario("unmounted-shard-is-misdirected", claims=("unmounted-shard-answers-421",))
+def unmounted_shard(ctx: Context) -> list[ClaimResult]:
+    """A replica asked for a shard of another slice answers 421 and opens nothing."""
+    session = ctx.sessions(1, slice_name="a08")[0]
+    errors = []
+    answers = {}
+    for name in ctx.members("a07"):
+        response = _direct(ctx, name, session, {"type": "get_state"})
+        answers[name] = response.status_code
+        if response.status_code != 421:
+            errors.append(f"{name} answered {response.status_code} for an a08 session")
+    return [verdict("unmounted-shard-answers-421", errors, {"answers": answers})]
+
+
+@scenario(
+    "live-session-cap-refuses",
+    claims=("live-session-cap-refuses",),
+    extra_replica_args=("--max-live-sessions", "2"),
+)
+def live_session_cap(ctx: Context) -> list[ClaimResult]:
+    """A replica at --max-live-sessions answers 503 to a new placement; the edge walks on."""
+    sessions = ctx.sessions(8)
+    target = ctx.members("a07")[0]
+    answers = [_direct(ctx, target, s, {"type": "get_state"}).status_code for s in sessions]
+    errors = []
+    if answers.count(200) != 2:
+        errors.append(f"{answers.count(200)} sessions opened on a replica capped at 2")
+    refused = [a for a in answers if a == 503]
+    if len(refused) != len(answers) - 2:
+        errors.append(f"answers were {answers}")
+    scrape = httpx.get(str(ctx.fleet.replicas[target][1].metrics_url), timeout=5).text
+    if f'agent_refusals_total{{reason="capacity"}} {float(len(refused))}' not in scrape:
+        errors.append("refusals at the cap are not counted as capacity")
+    return [
+        verdict(
+            "live-session-cap-refuses",
+            errors,
+            {"opened": answers.count(200), "refused_503": len(refused)},
+        )
+    ]
+
+
+@scenario("metrics-name-no-tenant", claims=("metrics-name-no-tenant",))
+def metrics_name_no_tenant(ctx: Context) -> list[ClaimResult]:
+    """After real traffic, no scrape of any replica or of the edge carries a tenant, session,
+    shard or workspace value."""
+    sessions = ctx.sessions(3)
+    ctx.run(drive(ctx.edge, sessions, ctx.journal, until=time.time() + 3, max_ops=6))
+    needles = {s.session_id for s in sessions} | {s.tenant for s in sessions}
+    needles |= {s.session_id.partition(".")[2] for s in sessions}
+    needles |= {sh for shards in SLICES.values() for sh in shards} | {"/workspace"}
+    errors = []
+    scrapes = [r.metrics_url for _, r in ctx.fleet.replicas.values()] + [ctx.fleet.edge.metrics_url]
+    for url in scrapes:
+        text = httpx.get(str(url), timeout=5).text
+        for needle in needles:
+            if needle in text:
+                errors.append(f"{url} names {needle!r}")
+    return [
+        verdict(
+            "metrics-name-no-tenant",
+            errors,
+            {"scrapes": len(scrapes), "identifiers_checked": len(needles)},
+        )
+    ]
+
+
+@scenario("one-tenant-cannot-read-another", claims=("one-tenant-cannot-read-another",))
+def tenant_isolation(ctx: Context) -> list[ClaimResult]:
+    """No plaintext reaches the shard, and one tenant's grant opens nothing of another's."""
+    tenant_a = ctx.tenant_on("a07")
+    tenant_b = next(
+        t
+        for t in (f"b{n}-{tenant_a}"[:40] for n in range(500))
+        if ctx.fleet.new_session(t)["slice"] == "a07"
+    )
+    a = ctx.sessions(1, tenant=tenant_a)[0]
+    b = ctx.sessions(1, tenant=tenant_b)[0]
+    secret = "PLAINTEXT-CANARY-" + a.session_id[-6:]
+    ctx.run(prompt_ws(ctx.edge, a, ctx.journal, text=secret))
+    errors = []
+    crossed = httpx.post(
+        f"{ctx.edge}/_beyond/agent",
+        params={"session_id": a.session_id},
+        content=b'{"type":"get_messages"}',
+        headers={"x-beyond-grant": b.grant},
+        timeout=150,
+    )
+    if crossed.status_code != 403:
+        errors.append(f"tenant B's grant on tenant A's session answered {crossed.status_code}")
+    scanned = 0
+    for shard in SLICES["a07"]:
+        for path in Path(ctx.substrate.backing(shard)).rglob("*"):
+            if path.is_file():
+                scanned += 1
+                if secret.encode() in path.read_bytes():
+                    errors.append(f"plaintext found in {path.name}")
+    from replica.errors import CorruptHistory
+    from replica.store import SessionStore
+
+    sid = parse_session_id(a.session_id)
+    try:
+        SessionStore(ctx.substrate.backing(str(sid.shard))).read(
+            tenant_a, sid, derive_tenant_dek(ctx.fleet.fleet.keys, tenant_b)
+        )
+        errors.append("tenant B's key opened tenant A's transcript")
+    except CorruptHistory:
+        pass
+    return [
+        verdict(
+            "one-tenant-cannot-read-another",
+            errors,
+            {"files_scanned": scanned, "cross_tenant_status": crossed.status_code},
+        )
+    ]
+
+
+@scenario(
+    "takeover-after-partition",
+    claims=(*STANDARD, "survivor-takes-over-inside-budget"),
+    substrates=("leasefs", "attached"),
+)
+def takeover_after_partition(ctx: Context) -> list[ClaimResult]:
+    """A replica is cut off from storage past its lease; survivors take its sessions over."""
+    sessions = ctx.sessions(4)
+    victim = ctx.owner(sessions[0].session_id)
+    affected = [s.session_id for s in sessions if ctx.owner(s.session_id) == victim]
+    marks = _run_workload_with(
+        ctx, sessions, 14 if ctx.quick else 25, lambda: ctx.substrate.partition(victim), at=0.2
+    )
+    ctx.substrate.heal(victim)
+    times = checkers.takeover_times(ctx.ops(), marks["fault_at"], affected)
+    budget = ctx.fleet.config.retry_budget_s
+    errors = (
+        [f"{len(affected) - len(times)} sessions not served again"]
+        if len(times) < len(affected)
+        else []
+    )
+    errors += [f"a takeover took {t:.1f}s" for t in times if t > budget]
+    figures = {"victim": victim, **checkers.latency_figures(times, "takeover")}
+    ctx.notes["takeover"] = figures
+    return [
+        *ctx.standard_claims(sessions),
+        verdict("survivor-takes-over-inside-budget", errors, figures),
+    ]
+
+
+@scenario(
+    "hung-mount-is-reported-not-leaked",
+    claims=("hung-mount-is-reported-not-leaked",),
+    substrates=("leasefs", "attached"),
+)
+def hung_mount(ctx: Context) -> list[ClaimResult]:
+    """A hung mount turns readiness red within about a second, liveness stays green, and 20
+    probes against it leak no threads."""
+    victim = ctx.members("a07")[0]
+    replica = ctx.fleet.replicas[victim][1]
+
+    def threads() -> int:
+        text = httpx.get(str(replica.metrics_url), timeout=5).text
+        match = re.search(r"^agent_threads (\S+)$", text, re.M)
+        return int(float(match.group(1))) if match else -1
+
+    before = threads()
+    ctx.substrate.hang(victim)
+    errors = []
+    try:
+        hung_at = time.monotonic()
+        while httpx.get(f"{replica.url}/readyz", timeout=5).status_code == 200:
+            if time.monotonic() - hung_at > 5:
+                errors.append("readiness stayed green for 5 s on a hung mount")
+                break
+            time.sleep(0.05)
+        reported = time.monotonic() - hung_at
+        slowest = 0.0
+        for _ in range(20):
+            started = time.monotonic()
+            ready = httpx.get(f"{replica.url}/readyz", timeout=5)
+            slowest = max(slowest, time.monotonic() - started)
+            if ready.status_code != 503:
+                errors.append(f"readiness answered {ready.status_code} on a hung mount")
+            if httpx.get(f"{replica.url}/livez", timeout=5).status_code != 200:
+                errors.append("liveness failed on a hung mount")
+        leaked = threads() - before
+        if leaked > 1:
+            errors.append(f"{leaked} threads leaked across 20 probes")
+    finally:
+        ctx.substrate.unhang(victim)
+    return [
+        verdict(
+            "hung-mount-is-reported-not-leaked",
+            errors,
+            {
+                "reported_within_s": round(reported, 3),
+                "slowest_probe_s": round(slowest, 3),
+                "threads_leaked": leaked,
+            },
+        )
+    ]
+
+
+@scenario(
+    "fenced-owner-stops-and-says-so",
+    claims=("fenced-owner-stops-and-says-so", *STANDARD),
+    substrates=("leasefs", "attached"),
+)
+def fenced_owner(ctx: Context) -> list[ClaimResult]:
+    """An owner cut off mid-session is fenced: its client is told session_superseded, the
+    superseded count rises, and nothing it wrote after the new epoch is read."""
+    session = ctx.sessions(1)[0]
+    ctx.run(prompt_ws(ctx.edge, session, ctx.journal))
+    victim = ctx.owner(session.session_id)
+    ctx.substrate.partition(victim)
+    # Another client reaches the session through the edge: the walk finds a survivor once the
+    # victim's lease lapses.
+    ctx.run(prompt_ws(ctx.edge, session, ctx.journal))
+    ctx.substrate.heal(victim)
+    # The victim is asked directly to run a turn: its commit must fail and say so.
+    url = ctx.fleet.replicas[victim][1].url
+    told = asyncio.run(_attach_and_prompt(url, session))
+    scrape = httpx.get(str(ctx.fleet.replicas[victim][1].metrics_url), timeout=5).text
+    errors = []
+    if told not in ("superseded", "refused"):
+        errors.append(f"the fenced owner's client saw {told!r}")
+    if told == "superseded" and "agent_sessions_superseded_total 1.0" not in scrape:
+        errors.append("the fenced owner did not count agent_sessions_superseded_total")
+    return [
+        verdict("fenced-owner-stops-and-says-so", errors, {"client_saw": told}),
+        *ctx.standard_claims([session]),
+    ]
+
+
+async def _attach_and_prompt(url: str, session: Session) -> str:
+    import websockets
+
+    ws_url = url.replace("http", "ws", 1) + f"/_beyond/agent?session_id={session.session_id}"
+    try:
+        async with (
+            asyncio.timeout(30),
+            websockets.connect(ws_url, additional_headers={"x-beyond-grant": session.grant}) as ws,
+        ):
+            await ws.recv()
+            await ws.send(json.dumps({"type": "prompt", "message": "after the heal"}))
+            while True:
+                frame = json.loads(await ws.recv())
+                if frame.get("type") == "session_superseded":
+                    return "superseded"
+                if frame.get("type") == "event" and frame["event"]["kind"] == "turn_ended":
+                    return "turn ended"
+    except websockets.InvalidStatus:
+        return "refused"  # it already knew: the lock was lost and the session closed
+    except websockets.ConnectionClosed:
+        return "closed"

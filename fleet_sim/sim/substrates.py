@@ -1,0 +1,159 @@
+"""Where the shards of a simulated fleet live, and the storage faults each place can suffer.
+
+- ``local-dir``: plain directories shared by every replica; only process faults apply.
+- ``leasefs``: one backing directory and, per replica host, its own leasefs mount of it, so
+  locks conflict across hosts as on NFSv4, and a host can be partitioned, hung, made read-only.
+- ``attached``: an external fleet (real NFS or EFS) described by a state file and driven through
+  a fault command; shards are read from the paths its state names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from pathlib import Path
+from typing import Protocol
+
+from fleet_sim.leasefs.mount import LeaseFsMount, mount_leasefs
+
+
+class NotApplicable(Exception):
+    """The substrate cannot produce this fault; the scenario does not run on it."""
+
+
+class Substrate(Protocol):
+    name: str
+
+    def shard_path(self, replica: str, shard: str) -> Path: ...
+
+    def backing(self, shard: str) -> Path: ...
+
+    def prepare(self, replicas: list[str], shards: list[str]) -> None: ...
+
+    def partition(self, replica: str) -> None: ...
+
+    def heal(self, replica: str) -> None: ...
+
+    def hang(self, replica: str) -> None: ...
+
+    def unhang(self, replica: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalDir:
+    name = "local-dir"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root / "shards"
+
+    def shard_path(self, replica: str, shard: str) -> Path:
+        return self.root / shard
+
+    def backing(self, shard: str) -> Path:
+        return self.root / shard
+
+    def prepare(self, replicas: list[str], shards: list[str]) -> None:
+        for shard in shards:
+            (self.root / shard).mkdir(parents=True, exist_ok=True)
+
+    def partition(self, replica: str) -> None:
+        raise NotApplicable("a local directory cannot be partitioned")
+
+    heal = partition
+    hang = partition
+    unhang = partition
+
+    def close(self) -> None:
+        pass
+
+
+class LeaseFs:
+    name = "leasefs"
+
+    def __init__(self, root: Path, lease_s: float = 3.0) -> None:
+        self.root = root
+        self.lease_s = lease_s
+        self.mounts: dict[str, LeaseFsMount] = {}
+
+    def shard_path(self, replica: str, shard: str) -> Path:
+        return self.root / "mnt" / replica / shard
+
+    def backing(self, shard: str) -> Path:
+        return self.root / "backing" / shard
+
+    def prepare(self, replicas: list[str], shards: list[str]) -> None:
+        for shard in shards:
+            self.backing(shard).mkdir(parents=True, exist_ok=True)
+        for replica in replicas:
+            self.mount(replica)
+
+    def mount(self, replica: str) -> None:
+        if replica in self.mounts:
+            return
+        mountpoint = self.root / "mnt" / replica
+        mountpoint.mkdir(parents=True, exist_ok=True)
+        mount = mount_leasefs(
+            str(self.root / "backing"),
+            str(mountpoint),
+            replica,
+            self.lease_s,
+            log_path=str(self.root / f"leasefs-{replica}.log"),
+        )
+        mount.start()
+        self.mounts[replica] = mount
+
+    def partition(self, replica: str) -> None:
+        self.mounts[replica].control.partition()
+
+    def heal(self, replica: str) -> None:
+        self.mounts[replica].control.heal()
+
+    def hang(self, replica: str) -> None:
+        self.mounts[replica].control.hang()
+
+    def unhang(self, replica: str) -> None:
+        self.mounts[replica].control.ok()
+
+    def close(self) -> None:
+        for mount in self.mounts.values():
+            with contextlib.suppress(Exception):
+                mount.stop()
+        self.mounts.clear()
+
+
+class Attached:
+    """An external fleet: faults go to ``fault_cmd`` (e.g. deploy/attached-local/fault.sh)."""
+
+    name = "attached"
+
+    def __init__(self, fault_cmd: str, shard_paths: dict[str, Path]) -> None:
+        self.fault_cmd = fault_cmd
+        self.paths = shard_paths
+
+    def _run(self, *args: str) -> None:
+        subprocess.run([self.fault_cmd, *args], check=True, timeout=120)
+
+    def shard_path(self, replica: str, shard: str) -> Path:
+        return self.paths[shard]
+
+    def backing(self, shard: str) -> Path:
+        return self.paths[shard]
+
+    def prepare(self, replicas: list[str], shards: list[str]) -> None:
+        pass
+
+    def partition(self, replica: str) -> None:
+        self._run("partition", replica)
+
+    def heal(self, replica: str) -> None:
+        self._run("heal", replica)
+
+    def hang(self, replica: str) -> None:
+        self._run("hang", replica)
+
+    def unhang(self, replica: str) -> None:
+        self._run("unhang", replica)
+
+    def close(self) -> None:
+        pass

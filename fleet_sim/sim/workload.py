@@ -1,0 +1,177 @@
+"""Real clients driving sessions through the real edge, journaling every operation.
+
+A prompt carries a unique token (``op-`` + 12 hex digits) in its text so a checker can find it in
+storage afterwards. Its outcome is ``ok`` only once the client saw the turn end successfully
+with its batches committed; ``fail`` when it was refused before anything was sent; ``unknown``
+when the connection broke (or the session was superseded) after the prompt went out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import websockets
+
+from fleet_sim.sim.journal import Journal, Op
+
+OP_TIMEOUT_S = 180.0  # longer than the edge's budget: the edge gives up first, not the client
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    session_id: str
+    tenant: str
+    grant: str
+
+
+def new_token() -> str:
+    return "op-" + secrets.token_hex(6)
+
+
+def _ws_url(edge: str, session_id: str) -> str:
+    return edge.replace("http", "ws", 1) + f"/_beyond/agent?session_id={session_id}"
+
+
+async def prompt_ws(
+    edge: str,
+    session: Session,
+    journal: Journal,
+    *,
+    text: str = "",
+    timeout_s: float = OP_TIMEOUT_S,
+) -> Op:
+    """One prompt over a fresh WebSocket through the edge."""
+    token = new_token()
+    started = time.time()
+    sent = False
+    committed = 0
+    outcome, detail = "unknown", ""
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with websockets.connect(
+                _ws_url(edge, session.session_id),
+                max_size=None,
+                open_timeout=timeout_s,
+                additional_headers={"x-beyond-grant": session.grant},
+            ) as ws:
+                await ws.recv()  # catchup
+                message = f"{text or 'turn'} {token}"
+                await ws.send(json.dumps({"type": "prompt", "id": token, "message": message}))
+                sent = True
+                while True:
+                    frame = json.loads(await ws.recv())
+                    kind = frame.get("type")
+                    if kind == "committed":
+                        committed += 1
+                    elif kind == "session_superseded":
+                        detail = "superseded"
+                        break
+                    elif kind == "response" and not frame.get("success"):
+                        outcome, detail = "fail", str(frame.get("error"))
+                        break
+                    elif kind == "event" and frame["event"].get("kind") == "turn_ended":
+                        ended = frame["event"]
+                        if ended.get("outcome") == "succeeded" and committed >= 2:
+                            outcome = "ok"
+                        else:
+                            detail = f"turn {ended.get('outcome')} ({ended.get('reason')})"
+                        break
+    except websockets.InvalidStatus as exc:
+        outcome = "unknown" if sent else "fail"
+        detail = f"refused {exc.response.status_code}"
+    except (OSError, TimeoutError, websockets.ConnectionClosed, websockets.InvalidHandshake) as exc:
+        outcome = "unknown" if sent else "fail"
+        detail = f"{type(exc).__name__}"
+    op = Op(
+        session.session_id,
+        "prompt",
+        token,
+        started,
+        time.time(),
+        outcome,  # type: ignore[arg-type]
+        "ws",
+        detail,
+        {"committed": committed},
+    )
+    journal.record(op)
+    return op
+
+
+async def get_state(
+    edge: str, session: Session, client: httpx.AsyncClient, journal: Journal | None = None
+) -> Op:
+    started = time.time()
+    try:
+        response = await client.post(
+            f"{edge}/_beyond/agent",
+            params={"session_id": session.session_id},
+            content=b'{"type":"get_state"}',
+            headers={"x-beyond-grant": session.grant},
+        )
+        outcome = "ok" if response.status_code == 200 else "fail"
+        detail = "" if outcome == "ok" else f"status {response.status_code}"
+    except httpx.HTTPError as exc:
+        outcome, detail = "fail", type(exc).__name__
+    op = Op(
+        session.session_id,
+        "get_state",
+        "",
+        started,
+        time.time(),
+        outcome,  # type: ignore[arg-type]
+        "post",
+        detail,
+    )
+    if journal is not None:
+        journal.record(op)
+    return op
+
+
+async def drive(
+    edge: str,
+    sessions: Sequence[Session],
+    journal: Journal,
+    *,
+    until: float,
+    max_ops: int,
+    think_s: float = 0.05,
+    seed: int = 0,
+) -> list[Op]:
+    """Each session prompts back to back (with a little think time) until ``until`` or until
+    ``max_ops`` operations in all; bounded in both count and time."""
+    rng = random.Random(seed)
+    budget = {"left": max_ops}
+    ops: list[Op] = []
+
+    async def client(session: Session) -> None:
+        await asyncio.sleep(rng.random() * think_s)
+        while time.time() < until and budget["left"] > 0:
+            budget["left"] -= 1
+            ops.append(await prompt_ws(edge, session, journal))
+            await asyncio.sleep(think_s * (0.5 + rng.random()))
+
+    await asyncio.gather(*(client(s) for s in sessions))
+    return ops
+
+
+async def reachable(
+    edge: str, sessions: Sequence[Session], timeout_s: float = 150.0
+) -> dict[str, bool]:
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        results = await asyncio.gather(*(get_state(edge, s, client) for s in sessions))
+    return {op.session_id: op.outcome == "ok" for op in results}
+
+
+def summarize_ops(ops: Sequence[Op]) -> dict[str, Any]:
+    counts: dict[str, int] = {}
+    for op in ops:
+        counts[op.outcome] = counts.get(op.outcome, 0) + 1
+    return {"operations": len(ops), **counts}
