@@ -243,7 +243,8 @@ class Fleet:
             argv += ["--metrics-listen", metrics]
         proc = self._spawn(name, argv)
         info = listening(proc.readline())
-        return Service(name, info["url"], info.get("metrics_url"), proc)
+        metrics_url = info.get("metrics_url") or (f"http://{metrics}/metrics" if metrics else None)
+        return Service(name, info["url"], metrics_url, proc)
 
     def grant(
         self,
