@@ -91,6 +91,15 @@ class ShardProbe:
         threading.Thread(target=body, name=f"probe-{self.name}", daemon=True).start()
         return asyncio.wrap_future(future)
 
+    @property
+    def healthy(self) -> bool:
+        """The latest verdict, without probing: a shard not yet probed counts as healthy."""
+        inflight = self._inflight
+        stuck = inflight is not None and not inflight.done()
+        if stuck and time.monotonic() - self._started > self.deadline_s:
+            return False  # a probe is stuck right now, whatever the cache says
+        return self._cached is None or self._cached[1].ok
+
     async def check(self) -> ProbeResult:
         now = time.monotonic()
         if self._cached is not None and now - self._cached[0] < self.cache_s:
@@ -122,6 +131,15 @@ class Readiness:
     def __init__(self, probes: list[ShardProbe], draining: Callable[[], bool]) -> None:
         self.probes = probes
         self._draining = draining
+
+    def shard_healthy(self, name: str) -> bool:
+        return all(p.healthy for p in self.probes if p.name == name)
+
+    async def watch(self, interval_s: float = 1.0) -> None:
+        """Probe in the background, so placement knows a shard hangs before a request does."""
+        while True:
+            await asyncio.gather(*(p.check() for p in self.probes))
+            await asyncio.sleep(interval_s)
 
     async def check(self) -> tuple[bool, str]:
         if self._draining():

@@ -40,6 +40,7 @@ class Registry:
         queue_frames: int = SUBSCRIBER_QUEUE_FRAMES,
         clock: Callable[[], float] = time.monotonic,
         on_open: Callable[[LiveSession], None] = lambda live: None,
+        shard_ok: Callable[[Shard], bool] = lambda shard: True,
     ) -> None:
         self.stores = stores
         self.max_live = max_live
@@ -53,6 +54,7 @@ class Registry:
         self._clock = clock
         self._queue_frames = queue_frames
         self._on_open = on_open
+        self.shard_ok = shard_ok
         self._parking: dict[str, asyncio.Task[None]] = {}
 
     async def run_io(self, fn: Callable[..., T], *args: Any) -> T:
@@ -74,6 +76,13 @@ class Registry:
         context = SessionContext(
             grant.exec_url, grant.exec_headers, grant.workspace_root, grant.dek
         )
+        if not self.shard_ok(grant.session.shard):
+            # Answer 503 so the edge walks on: a hung or failing mount would otherwise hold
+            # every request for this session until it heals, long after a survivor could take
+            # the session over (its lock lapses with the lease).
+            raise Unavailable(
+                "this replica's storage for the session is not answering; retry", reason="storage"
+            )
         live = self.sessions.get(sid)
         if live is not None:
             if live.tenant != grant.tenant:

@@ -128,6 +128,7 @@ class ReplicaService:
             for shard, path in config.shards.items()
         ]
         self.readiness = Readiness(probes, lambda: self.registry.draining)
+        self.registry.shard_ok = lambda shard: self.readiness.shard_healthy(str(shard))
         verifier = GrantVerifier(
             dict(config.grant_keys), config.seal_key, audience=config.audience, issuer=config.issuer
         )
@@ -246,6 +247,7 @@ class ReplicaService:
             asyncio.create_task(s.serve(), name="uvicorn") for s in servers
         ]
         reaper = asyncio.create_task(self.registry.reaper(), name="reaper")
+        prober = asyncio.create_task(self.readiness.watch(), name="prober")
         try:
             while not all(s.started for s in servers):
                 done = [t for t in tasks if t.done()]
@@ -261,7 +263,7 @@ class ReplicaService:
                 )
             )
             stop = asyncio.create_task(self._drain_requested.wait())
-            await asyncio.wait([stop, *tasks, reaper], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([stop, *tasks, reaper, prober], return_when=asyncio.FIRST_COMPLETED)
             stop.cancel()
             self.phase = Phase.DRAINING
             await self._drain()
@@ -269,7 +271,8 @@ class ReplicaService:
             for s in servers:
                 s.should_exit = True
             reaper.cancel()
-            await asyncio.gather(*tasks, reaper, return_exceptions=True)
+            prober.cancel()
+            await asyncio.gather(*tasks, reaper, prober, return_exceptions=True)
             await self.lifecycle.stop()
             await self.model.aclose()
             await self.http_client.aclose()
