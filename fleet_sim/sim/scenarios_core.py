@@ -393,8 +393,9 @@ def hung_mount(ctx: Context) -> list[ClaimResult]:
                 errors.append(f"readiness answered {ready.status_code} on a hung mount")
             if httpx.get(f"{replica.url}/livez", timeout=5).status_code != 200:
                 errors.append("liveness failed on a hung mount")
+        # One probe thread per hung shard may sit in the kernel; never one per probe.
         leaked = threads() - before
-        if leaked > 1:
+        if leaked > len(SLICES["a07"]):
             errors.append(f"{leaked} threads leaked across 20 probes")
     finally:
         ctx.substrate.unhang(victim)
