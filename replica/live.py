@@ -78,6 +78,12 @@ class Subscriber:
         self.closed = True
         self._event.set()
 
+    def shed(self) -> None:
+        """Tell the reader to reconnect now (as if it had fallen behind)."""
+        self.lagged = True
+        self.queue.clear()
+        self._event.set()
+
     async def next(self) -> Outgoing | None:
         """The next frame, or None once the reader lagged or the session closed it."""
         while not self.queue:

@@ -135,10 +135,20 @@ class Readiness:
     def shard_healthy(self, name: str) -> bool:
         return all(p.healthy for p in self.probes if p.name == name)
 
-    async def watch(self, interval_s: float = 1.0) -> None:
-        """Probe in the background, so placement knows a shard hangs before a request does."""
+    async def watch(
+        self, on_unhealthy: Callable[[str], None] = lambda name: None, interval_s: float = 1.0
+    ) -> None:
+        """Probe in the background, so placement knows a shard hangs before a request does;
+        ``on_unhealthy`` hears of each shard that turns bad (once per turn)."""
+        bad: set[str] = set()
         while True:
             await asyncio.gather(*(p.check() for p in self.probes))
+            for probe in self.probes:
+                if not probe.healthy and probe.name not in bad:
+                    bad.add(probe.name)
+                    on_unhealthy(probe.name)
+                elif probe.healthy:
+                    bad.discard(probe.name)
             await asyncio.sleep(interval_s)
 
     async def check(self) -> tuple[bool, str]:

@@ -183,6 +183,18 @@ class Registry:
     async def close(self, live: LiveSession) -> None:
         await self._start_close(live, final_state=LiveState.CLOSED)
 
+    def shed_shard(self, shard: Shard) -> int:
+        """Storage for ``shard`` stopped answering: tell every reader of its sessions to
+        reconnect, so clients re-place through the edge (which walks to a survivor once this
+        replica's lease lapses) instead of waiting on a mount that may not come back."""
+        shed = 0
+        for live in self.sessions.values():
+            if live.session.shard == shard:
+                for subscriber in list(live.subscribers):
+                    subscriber.shed()
+                    shed += 1
+        return shed
+
     def reap_once(self) -> int:
         now = self._clock()
         for live in self.sessions.values():

@@ -40,6 +40,7 @@ from replica.lifecycle import Lifecycle, LifecycleConfig
 from replica.live import LiveSession
 from replica.metrics import ReplicaMetrics
 from replica.model import make_provider
+from replica.names import parse_shard
 from replica.notify import NotifyKey
 from replica.probes import Readiness, ShardProbe
 from replica.registry import Registry
@@ -158,6 +159,12 @@ class ReplicaService:
         reconciler: Reconciler = live.reconciler
         return reconciler
 
+    def _shard_unhealthy(self, name: str) -> None:
+        shed = self.registry.shed_shard(parse_shard(name))
+        log.warning(
+            "shard %s is not answering: readers of its sessions told to reconnect (%d)", name, shed
+        )
+
     def _on_open(self, live: LiveSession) -> None:
         """A session that had background jobs running when it was last open may have missed
         their ends (its holder died, drained, or reaped it): read them back now."""
@@ -247,7 +254,7 @@ class ReplicaService:
             asyncio.create_task(s.serve(), name="uvicorn") for s in servers
         ]
         reaper = asyncio.create_task(self.registry.reaper(), name="reaper")
-        prober = asyncio.create_task(self.readiness.watch(), name="prober")
+        prober = asyncio.create_task(self.readiness.watch(self._shard_unhealthy), name="prober")
         try:
             while not all(s.started for s in servers):
                 done = [t for t in tasks if t.done()]
