@@ -194,6 +194,12 @@ def _register_up(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "--state", type=Path, metavar="FILE", help="write every process's URL and pid here as JSON"
     )
     parser.add_argument("--drain-grace", type=float, default=30.0, metavar="S")
+    parser.add_argument(
+        "--web-listen",
+        metavar="HOST:PORT",
+        help="the session page's address, loopback only (default: the edge's port + 1; "
+        "off: no page)",
+    )
     parser.set_defaults(handler=_run_up)
 
 
@@ -204,11 +210,19 @@ def _run_up(args: argparse.Namespace) -> int:
         from replica.model import parse_model_spec
 
         parse_model_spec(args.model)  # a bad spec is a usage error here, not six dead replicas
+    from fleet_sim.webui.errors import ConfigError
+    from fleet_sim.webui.process import web_listen
+
+    try:
+        web = web_listen(args.web_listen, args.listen)
+    except ConfigError as exc:
+        raise UsageError(f"--web-listen: {exc}") from None
     config = UpConfig(
         state_dir=args.dir.resolve(),
         listen=args.listen,
         model=args.model,
         drain_grace_s=args.drain_grace,
+        web_listen=web,
     )
     return run(config, args.state, sys.stdout)
 

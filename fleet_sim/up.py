@@ -43,6 +43,7 @@ class UpConfig:
     idle_timeout_s: float = 60.0
     extra_replica_args: tuple[str, ...] = ()
     retry_budget_s: float = 120.0
+    web_listen: str | None = None  # where the session page is served; None: no page
 
 
 ShardPath = Callable[[str, str], Path]  # (replica name, shard) -> where that replica mounts it
@@ -61,6 +62,7 @@ class LocalFleet:
     model_flag: str
     replicas: dict[str, tuple[str, Replica]] = field(default_factory=dict)  # name -> (slice, r)
     ports: dict[str, int] = field(default_factory=dict)  # a replica keeps its port on restart
+    web: Service | None = None
 
     @property
     def edge_url(self) -> str:
@@ -78,6 +80,7 @@ class LocalFleet:
             "sandbox_url": self.fleet.sandbox.url,
             "sandbox_pid": self.fleet.sandbox.proc.proc.pid,
             "model_url": self.model.url if self.model else None,
+            "web_url": self.web.url if self.web else None,
             "keys_dir": str(self.fleet.keys_dir),
             "state_dir": str(root),
             "replicas": [
@@ -200,6 +203,10 @@ def start(config: UpConfig, shard_path: ShardPath | None = None) -> LocalFleet:
         local.edge = fleet.edge(
             local.write_edge_config(), listen=f"{host}:{port}", metrics=f"127.0.0.1:{free_port()}"
         )
+        if config.web_listen is not None:
+            from fleet_sim.webui.process import spawn
+
+            local.web = spawn(fleet, config.web_listen, local.edge.url, control.url)
     except BaseException:
         fleet.close()
         raise
@@ -209,6 +216,7 @@ def start(config: UpConfig, shard_path: ShardPath | None = None) -> LocalFleet:
 def instructions(local: LocalFleet, session: dict[str, Any]) -> str:
     edge = local.edge.url
     sid, grant = session["session_id"], session["grant"]
+    page = f"\nOr open the session page in a browser: {local.web.url}\n" if local.web else ""
     return f"""
 A fleet is running: {len(local.replicas)} replicas in {len(SLICES)} slices behind {edge}
 State and data: {local.config.state_dir}
@@ -226,7 +234,7 @@ Send it a prompt (from another terminal):
 Or chat over a WebSocket:
   fleet-sim chat --edge {edge} --session $SID --grant "$GRANT"
 More sessions: curl -d '{{"tenant":"demo"}}' {local.control_plane.url}/v1/sessions
-
+{page}
 Ctrl-C drains the replicas and stops everything; the data stays.
 """
 
