@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import secrets
-import signal
 import sys
 import time
 from collections import deque
@@ -37,6 +35,7 @@ from aiohttp import web
 from edge.ring import ring_hash
 from fleet_sim.keys import KeySet, derive_tenant_dek, load_keyset, mint_grant
 from fleet_sim.sandbox import sandbox_exec
+from fleet_sim.serving import serve_until_signalled
 from replica.errors import InvalidName, ReplicaError
 from replica.keyfiles import read_key_file
 from replica.names import parse_session_id, parse_slice, parse_tenant
@@ -297,20 +296,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"control plane: {exc}", file=sys.stderr)
         return 2
 
-    async def serve() -> None:
+    async def start() -> tuple[web.AppRunner, str]:
         runner, url, _plane = await start_control_plane(config, host, int(port))
-        print(json.dumps({"event": "listening", "url": url}), flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await runner.cleanup()
+        return runner, url
 
-    import uvloop
-
-    uvloop.run(serve())
+    serve_until_signalled(start)
     return 0
 
 

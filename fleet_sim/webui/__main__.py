@@ -7,14 +7,13 @@ it.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import json
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 
+from aiohttp import web
+
+from fleet_sim.serving import serve_until_signalled
 from fleet_sim.webui.errors import WebUIError
 from fleet_sim.webui.server import WebConfig, check_loopback, start_webui
 
@@ -47,20 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
-    async def serve() -> None:
+    async def start() -> tuple[web.AppRunner, str]:
         runner, url, _ = await start_webui(config, host, int(port_text))
-        print(json.dumps({"event": "listening", "url": url}), flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await runner.cleanup()
+        return runner, url
 
-    import uvloop
-
-    uvloop.run(serve())
+    serve_until_signalled(start)
     return 0
 
 
