@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import fleet_sim.sim.scenarios_jobs  # noqa: F401 - registers the job-end scenarios
 from fleet_sim.sim import scenarios_core  # noqa: F401 - registers the catalogue
 from fleet_sim.sim.scenario import (
     CATALOGUE,
