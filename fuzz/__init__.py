@@ -1,0 +1,1 @@
+"""Coverage-guided fuzz harnesses for every parser that reads hostile input (see README.md)."""
