@@ -13,7 +13,6 @@ while the bug is there and fails once it is fixed, so the entry here goes with t
 from __future__ import annotations
 
 import traceback
-import zlib
 from dataclasses import dataclass
 
 
@@ -54,52 +53,6 @@ class KnownBug:
 
 
 KNOWN_BUGS: tuple[KnownBug, ...] = (
-    KnownBug(
-        "payload-zlib-error",
-        ("segments", "history"),
-        zlib.error,
-        frame="replica/segments.py:decode_payload",
-        found="fuzz_segments (atheris, seconds)",
-        summary="a payload flagged zlib whose body does not inflate raises zlib.error, which is "
-        "not a ValueError, so parse_segment lets it escape instead of raising CorruptHistory",
-    ),
-    KnownBug(
-        "payload-recursion",
-        ("segments", "history"),
-        RecursionError,
-        frame="replica/segments.py:decode_payload",
-        anywhere=True,
-        found="review",
-        summary="a sealed record whose JSON nests deeper than the recursion limit raises "
-        "RecursionError out of decode_payload/parse_segment instead of CorruptHistory",
-    ),
-    KnownBug(
-        "header-ts-overflow",
-        ("segments", "history"),
-        OverflowError,
-        frame="replica/segments.py:_header_from",
-        found="review",
-        summary="a sealed header record whose ts is an integer too large for a float raises "
-        "OverflowError from float(ts) instead of CorruptHistory",
-    ),
-    KnownBug(
-        "reset-jobs-not-iterable",
-        ("history",),
-        TypeError,
-        frame="replica/history.py:read_history",
-        found="review",
-        summary="a sealed reset record whose 'jobs' is null, a number or a boolean raises "
-        "TypeError when read_history iterates it, instead of CorruptHistory",
-    ),
-    KnownBug(
-        "sse-lone-surrogate",
-        ("sse",),
-        UnicodeEncodeError,
-        frame="sse_starlette/event.py:encode",
-        found="fuzz_sse (atheris, seconds)",
-        summary="a frame holding a lone surrogate (a model delta can: JSON escapes spell them) "
-        "serialises with protocol.dumps but cannot be encoded as SSE (nor sent on a WebSocket)",
-    ),
     KnownBug(
         "client-line-splitting",
         ("sse",),

@@ -27,7 +27,7 @@ from replica.model_types import (
     ToolCall,
     ToolCallEvent,
 )
-from replica.tools import TOOL_SPECS, NotifyTarget, Sandbox, run_tool
+from replica.tools import TOOL_SPECS, NotifyTarget, Sandbox, ToolResult, run_tool
 from replica.transcript import Message, new_message_id
 
 SYSTEM_PROMPT = (
@@ -56,6 +56,12 @@ class TurnDeps:
     notify: Callable[[LiveSession], NotifyTarget | None]
     emit: Callable[[dict[str, Any]], None]  # lifecycle events; never blocks
     budget: TurnBudget = DEFAULT_BUDGET
+
+
+def clean(text: str) -> str:
+    """Text from outside (a model's deltas, a tool's output) as valid Unicode: JSON escapes can
+    spell lone surrogates, which no UTF-8 writer (store, socket, SSE) accepts."""
+    return text if text.isascii() else text.encode("utf-8", "replace").decode("utf-8")
 
 
 def make_title(prompt: str) -> str:
@@ -228,6 +234,7 @@ async def _steps(run: _Run, deps: TurnDeps) -> tuple[str, str]:
                     return "succeeded", "stop"
                 for call in calls:
                     result = await run_tool(sandbox, call, notify=notify, read_offsets=offsets)
+                    result = ToolResult(clean(result.content), result.extra, result.is_error)
                     live.publish(
                         protocol.event(
                             "tool_result",
@@ -255,9 +262,14 @@ async def _stream_step(
     try:
         async for item in events:
             if isinstance(item, TextDelta):
-                run.text += item.text
-                run.live.publish(protocol.event("text_delta", run_id=run.run_id, text=item.text))
+                text = clean(item.text)
+                run.text += text
+                run.live.publish(protocol.event("text_delta", run_id=run.run_id, text=text))
             elif isinstance(item, ToolCallEvent):
+                call = item.call
+                item = ToolCallEvent(
+                    ToolCall(clean(call.id), clean(call.name), clean(call.arguments))
+                )
                 calls.append(item.call)
                 run.live.publish(
                     protocol.event(

@@ -112,6 +112,8 @@ def read_history(session_dir: Path, sealer: RecordSealer) -> History:
                 messages += len(batch)
             elif kind == KIND_RESET:
                 jobs = record.payload.get("jobs", [])
+                if not isinstance(jobs, list):
+                    raise CorruptHistory(f"segment {epoch} record {record.index} is a bad reset")
                 history.transcript.reset(j for j in jobs if isinstance(j, str))
             else:
                 raise CorruptHistory(f"segment {epoch} record {record.index} has unknown kind")

@@ -163,4 +163,11 @@ def error(message: str) -> dict[str, Any]:
 
 
 def dumps(frame: Mapping[str, Any]) -> str:
-    return json.dumps(frame, separators=(",", ":"), ensure_ascii=False)
+    text = json.dumps(frame, separators=(",", ":"), ensure_ascii=False)
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            # A lone surrogate somewhere: escaped, the frame is still the same JSON value.
+            text = json.dumps(frame, separators=(",", ":"))
+    return text

@@ -78,10 +78,16 @@ def decode_payload(data: bytes) -> dict[str, Any]:
         raise ValueError("unknown payload flags")
     if flags & _FLAG_ZLIB:
         inflater = zlib.decompressobj()
-        body = inflater.decompress(body, MAX_RECORD)
+        try:
+            body = inflater.decompress(body, MAX_RECORD)
+        except zlib.error:
+            raise ValueError("payload does not inflate") from None
         if inflater.unconsumed_tail or not inflater.eof:
             raise ValueError("payload does not inflate within bounds")
-    value = json.loads(body)
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise ValueError("payload nests too deeply") from None
     if not isinstance(value, dict) or not isinstance(value.get("k"), str):
         raise ValueError("payload is not a record object")
     return value
@@ -148,7 +154,10 @@ def _header_from(epoch: int, payload: Mapping[str, Any]) -> SegmentHeader:
     ok_seal = (seal is None) == (prev is None) and (seal is None or isinstance(seal, int))
     if not ok_prev or not ok_seal or not isinstance(owner, str) or not isinstance(ts, int | float):
         raise CorruptHistory(f"segment {epoch} has a malformed header")
-    return SegmentHeader(epoch, prev, seal, owner, float(ts))
+    try:
+        return SegmentHeader(epoch, prev, seal, owner, float(ts))
+    except OverflowError:
+        raise CorruptHistory(f"segment {epoch} has a malformed header") from None
 
 
 def parse_segment(

@@ -83,6 +83,9 @@ class FakeSandbox:
     async def job_output(self, job_id: str, offset: int, limit: int) -> Any:
         raise AssertionError("not used")
 
+    async def kill(self, job_id: str) -> Any:
+        raise AssertionError("a turn never kills a job")
+
 
 class ToolLoop:
     """A model that calls bash on every step, reporting ``tokens`` completion tokens each."""

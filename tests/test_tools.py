@@ -79,6 +79,9 @@ class FakeSandbox:
         end = offset + len(chunk)
         return Output(chunk, end, eof=end >= len(data))
 
+    async def kill(self, job_id: str) -> Any:
+        raise AssertionError("a turn never kills a job")
+
 
 async def call(
     sandbox: FakeSandbox,
