@@ -70,6 +70,11 @@ class Reconciler:
         self._runner: asyncio.Task[None] | None = None
         self.told = 0  # notices committed by this reconciler
 
+    def due(self, interval_s: float) -> bool:
+        """Nothing is running or waiting, and the last reconcile began ``interval_s`` ago."""
+        idle = self._runner is None or self._runner.done()
+        return idle and self._clock() - self._last_start >= interval_s
+
     async def request(self) -> None:
         """Wait for a reconcile that starts after now; 503 when too many already wait."""
         if self.waiting >= self.max_waiting:

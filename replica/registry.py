@@ -92,6 +92,7 @@ class Registry:
                     "the session's previous task is still exiting; retry", reason="exiting"
                 )
             live.context = context
+            self._on_open(live)
             return live
         if sid in self._closing:
             raise Unavailable(

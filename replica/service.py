@@ -49,6 +49,7 @@ from replica.store import SessionStore, StoreConfig
 from replica.tools import NotifyTarget
 
 log = logging.getLogger("replica.service")
+RECHECK_S = 2.0  # how often requests to a session with running jobs may re-read them
 WS_MAX_BYTES = 8 * 1024 * 1024
 
 
@@ -166,9 +167,11 @@ class ReplicaService:
         )
 
     def _on_open(self, live: LiveSession) -> None:
-        """A session that had background jobs running when it was last open may have missed
-        their ends (its holder died, drained, or reaped it): read them back now."""
-        if not live.owned.transcript.untold_jobs:
+        """Placed here, opened or already open: a session with background jobs whose end it has
+        not been told may have missed it (its holder died, drained or reaped it, or the callback
+        went to a replica that handed it to the control plane, whose wake is this request).
+        Read them back, at most every few seconds however often the session is used."""
+        if not live.owned.transcript.untold_jobs or not self.reconciler(live).due(RECHECK_S):
             return
         task = asyncio.create_task(self._reconcile(live), name="reconcile-on-open")
         self._background.add(task)
