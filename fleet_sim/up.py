@@ -14,6 +14,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,11 +196,16 @@ def start(config: UpConfig, shard_path: ShardPath | None = None) -> LocalFleet:
             shard_path or local_dirs(root),
             f"openai:{model.url}" if model else config.model,
         )
-        number = 0
-        for slice_name in SLICES:
-            for _ in range(config.replicas_per_slice):
-                number += 1
-                local.start_replica(f"r{number}", slice_name)
+        names = [
+            (f"r{i * config.replicas_per_slice + n + 1}", slice_name)
+            for i, slice_name in enumerate(SLICES)
+            for n in range(config.replicas_per_slice)
+        ]
+        # Started side by side: each waits only for its own "listening" line.
+        with ThreadPoolExecutor(len(names)) as pool:
+            for future in [pool.submit(local.start_replica, n, s) for n, s in names]:
+                future.result()
+        local.replicas = dict(sorted(local.replicas.items(), key=lambda kv: int(kv[0][1:])))
         local.edge = fleet.edge(
             local.write_edge_config(), listen=f"{host}:{port}", metrics=f"127.0.0.1:{free_port()}"
         )

@@ -102,9 +102,21 @@ def _client_lines(text: str, chunking: random.Random) -> list[str]:
     return lines + decoder.flush()
 
 
+def _encodable(fields: list[str]) -> bool:
+    try:
+        for field in fields:
+            field.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check(data: bytes) -> None:
     fields = decode_text(data).split("\x1f")
     event_id = fields[1] if len(fields) > 1 and fields[1] else None
+    if event_id is not None and not (event_id.isascii() and event_id.isprintable()):
+        # SSE ids are message ids the replica mints ([A-Za-z0-9_-]); text in them is not ours.
+        event_id = None
     frame: dict[str, Any] = protocol.event("text_delta", text=fields[0], more=fields[2:])
     text = protocol.dumps(frame)
     wire = b"".join(
@@ -124,7 +136,11 @@ def check(data: bytes) -> None:
     got = parse_sse(wire)
     if got != expected:
         raise Mismatch("sse-wire", f"sent {expected!r}, the standard reads {got!r}")
-    if json.loads(got[0].data) != frame:
+    # Ill-formed text (lone surrogates) has no exact JSON spelling: escaped, a high and a low
+    # surrogate read back as one character. The replica cleans model and tool text before it
+    # makes frames; for valid text the round trip must be exact.
+    valid = _encodable(fields)
+    if valid and json.loads(got[0].data) != frame:
         raise Mismatch("sse-wire", "the frame did not survive the round trip")
     decoded = wire.decode("utf-8")
     by_standard = sse_events(_LINES.split(decoded))

@@ -54,16 +54,6 @@ class KnownBug:
 
 KNOWN_BUGS: tuple[KnownBug, ...] = (
     KnownBug(
-        "client-line-splitting",
-        ("sse",),
-        Mismatch,
-        code="client-pipeline",
-        found="fuzz_sse (both engines, seconds)",
-        summary="the tests' SSE client splits lines with httpx iter_lines (str.splitlines), "
-        "which also breaks on U+0085, U+2028 and U+2029; the replica sends those raw inside "
-        "JSON data, so tests/harness.py sse_events sees a cut data line",
-    ),
-    KnownBug(
         "query-empty-key",
         ("query",),
         Mismatch,

@@ -162,6 +162,12 @@ def error(message: str) -> dict[str, Any]:
     return {"type": "error", "error": message}
 
 
+# Characters str.splitlines() breaks on that JSON leaves raw: an SSE writer splitting data into
+# lines (sse-starlette does) would cut a frame at them. Inside a JSON string, which is the only
+# place a non-ASCII character can stand, the escape is the same value.
+_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
 def dumps(frame: Mapping[str, Any]) -> str:
     text = json.dumps(frame, separators=(",", ":"), ensure_ascii=False)
     if not text.isascii():
@@ -169,5 +175,6 @@ def dumps(frame: Mapping[str, Any]) -> str:
             text.encode()
         except UnicodeEncodeError:
             # A lone surrogate somewhere: escaped, the frame is still the same JSON value.
-            text = json.dumps(frame, separators=(",", ":"))
+            return json.dumps(frame, separators=(",", ":"))
+        text = text.translate(_LINE_BREAKS)
     return text

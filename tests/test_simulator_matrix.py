@@ -26,6 +26,7 @@ def run_cli(*args: str, timeout: float) -> tuple[int, list[dict[str, object]], s
     return proc.returncode, results, proc.stdout + proc.stderr
 
 
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize(
     "substrate", ["local-dir", pytest.param("leasefs", marks=pytest.mark.fuse)]
 )
@@ -43,6 +44,7 @@ def test_matrix_passes_with_nothing_skipped(substrate: str, tmp_path: Path) -> N
 
 
 @pytest.mark.fuse
+@pytest.mark.timeout(900)
 def test_a_short_soak_loses_nothing(tmp_path: Path) -> None:
     code, results, output = run_cli(
         "soak",
