@@ -13,16 +13,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sse_starlette.event import ServerSentEvent
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.datastructures import Headers, QueryParams
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from edge.classify import AuthClass, classify_authorization
@@ -116,13 +118,16 @@ class ReplicaApp:
         self.callbacks = callbacks
         self.keepalive_s = keepalive_s
         self.app = Starlette(
+            middleware=[
+                Middleware(HeaderBound, on_refuse=lambda: self.metrics.refuse("too_large"))
+            ],
             routes=[
                 Route("/_beyond/agent", self.post_agent, methods=["POST"]),
                 WebSocketRoute("/_beyond/agent", self.ws_agent),
                 Route("/_beyond/agent/events", self.sse_events, methods=["GET"]),
                 Route("/livez", self.livez, methods=["GET"]),
                 Route("/readyz", self.readyz, methods=["GET"]),
-            ]
+            ],
         )
 
     # -- the gate ---------------------------------------------------------------------------
@@ -328,6 +333,32 @@ class ReplicaApp:
     async def readyz(self, request: Request) -> Response:
         ok, reason = await self.readiness.check()
         return PlainTextResponse(reason + "\n", 200 if ok else 503)
+
+
+MAX_HEADER_BYTES = 16 * 1024
+
+
+class HeaderBound:
+    """Refuses a request whose headers add up to more than 16 KiB with 431, before routing (and
+    before any WebSocket upgrade). The HTTP parser bounds what it buffers; this bounds what any
+    handler ever sees."""
+
+    def __init__(self, app: ASGIApp, on_refuse: Callable[[], None]) -> None:
+        self.app = app
+        self.on_refuse = on_refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            size = sum(len(name) + len(value) for name, value in scope["headers"])
+            if size > MAX_HEADER_BYTES:
+                self.on_refuse()
+                response = PlainTextResponse("request headers are larger than 16 KiB\n", 431)
+                if scope["type"] == "websocket":
+                    await WebSocket(scope, receive, send).send_denial_response(response)
+                else:
+                    await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _first_done(*coroutines: Any) -> None:
