@@ -61,7 +61,7 @@ def test_gate_statuses_in_order(fleet: Fleet, replica: Replica) -> None:
         no_grant = post(client, sid, None, {"type": "get_state"})
         assert no_grant.status_code == 401 and "grant" in no_grant.text
         assert post(client, sid, "not.a.jwt", {"type": "get_state"}).status_code == 401
-        assert post(client, sid, "x" * 20_000, {"type": "get_state"}).status_code == 401
+        assert post(client, sid, "x" * 14_000, {"type": "get_state"}).status_code == 401
         no_id = client.post(
             "/_beyond/agent", content=b'{"type":"get_state"}', headers={"x-beyond-grant": grant}
         )
