@@ -53,5 +53,7 @@ def sse_events(lines: Sequence[str]) -> list[dict[str, str]]:
         if line.startswith(":"):
             continue
         name, _, value = line.partition(":")
-        current[name] = value[1:] if value.startswith(" ") else value
+        value = value[1:] if value.startswith(" ") else value
+        # Repeated data lines join with a newline, as the SSE standard reads them.
+        current[name] = f"{current[name]}\n{value}" if name == "data" and name in current else value
     return events
