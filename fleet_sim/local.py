@@ -52,7 +52,8 @@ class Proc:
     _err: IO[str] = field(init=False)
 
     def start(self) -> Proc:
-        self._err = open(self.log, "w")  # noqa: SIM115 - closed in stop()
+        # Appended, not truncated: a restarted process must not erase what its predecessor said.
+        self._err = open(self.log, "a")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             self.argv,
             stdout=subprocess.PIPE,
