@@ -67,14 +67,35 @@ class Bound:
 
 
 class _WebSockets(WebSocketsSansIOProtocol):
-    """uvicorn's sans-I/O WebSocket protocol, which logs "ASGI callable returned without
-    completing handshake" (and tries to send a 500) after every denial response, although the
-    denial went out complete. A denial is a finished handshake: mark it so."""
+    """uvicorn's sans-I/O WebSocket protocol, mended twice: it logs "ASGI callable returned
+    without completing handshake" (and tries a 500) after every denial, although the denial went
+    out complete, so a denial marks the handshake finished; and a handshake caught by shutdown
+    gets 503 + Retry-After (the edge walks on) instead of 500."""
 
     async def send(self, message: Any) -> None:
         await super().send(message)
         if message["type"] == "websocket.http.response.body" and not message.get("more_body"):
             self.handshake_complete = True
+
+    _shutting_down = False
+
+    def shutdown(self) -> None:
+        self._shutting_down = True
+        super().shutdown()
+
+    def send_500_response(self) -> None:
+        # uvicorn answers 500 to a handshake still in progress when the server shuts down (the
+        # last stage of a drain): that is "retry elsewhere", not a server error. The edge
+        # retries a 503 and walks on; a 500 would reach the client. Other 500s stay 500s.
+        if not self._shutting_down:
+            super().send_500_response()
+            return
+        if self.initial_response or self.handshake_complete or self.transport.is_closing():
+            return
+        response = self.conn.reject(503, "this replica is shutting down; retry\n")
+        response.headers["Retry-After"] = "1"
+        self.conn.send_response(response)
+        self.transport.write(b"".join(self.conn.data_to_send()))
 
 
 class _Server(uvicorn.Server):
