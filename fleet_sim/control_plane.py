@@ -35,7 +35,7 @@ from aiohttp import web
 from edge.ring import ring_hash
 from fleet_sim.keys import KeySet, derive_tenant_dek, load_keyset, mint_grant
 from fleet_sim.sandbox import sandbox_exec
-from fleet_sim.serving import serve_until_signalled
+from fleet_sim.serving import listen_arg, serve_until_signalled
 from replica.errors import InvalidName, ReplicaError
 from replica.keyfiles import read_key_file
 from replica.names import parse_session_id, parse_slice, parse_tenant
@@ -261,7 +261,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fleet_sim.control_plane", description="The simulator's control plane."
     )
-    parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT")
+    parser.add_argument("--listen", type=listen_arg, default="127.0.0.1:0", metavar="HOST:PORT")
     parser.add_argument("--keys", type=Path, required=True, help="keys directory (fleet-sim keys)")
     parser.add_argument("--sandbox-url", required=True, help="the sandbox service's base URL")
     parser.add_argument("--sandbox-secret", type=Path, required=True, help="its secret key file")
@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         slices = tuple(parse_slice_arg(s) for s in args.slice)
         if not slices:
             raise ValueError("at least one --slice is required")
-        host, _, port = args.listen.rpartition(":")
+        host, port = args.listen
         config = ControlPlaneConfig(
             keys_dir=args.keys,
             sandbox_url=args.sandbox_url.rstrip("/"),

@@ -31,6 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
+from fleet_sim.serving import listen_arg
 from replica import model_script
 from replica.model import ChatMessage, Role, ToolCall
 
@@ -378,20 +379,12 @@ async def start_model_server(
     return runner, f"http://{shown}:{bound_port}/v1"
 
 
-def _listen(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"--listen {value!r} is not HOST:PORT")
-    return host, int(port)
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fleet_sim.model_server",
         description="OpenAI-compatible scripted model server with a declared latency.",
     )
-    parser.add_argument("--listen", type=_listen, required=True, metavar="HOST:PORT")
+    parser.add_argument("--listen", type=listen_arg, required=True, metavar="HOST:PORT")
     parser.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token")
     parser.add_argument("--per-token-ms", type=float, default=0.0, help="time per token")
     parser.add_argument("--tokens", type=int, default=None, help="words per plain reply")

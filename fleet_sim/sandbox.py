@@ -66,6 +66,7 @@ from fleet_sim.sandbox_jobs import (
     valid_sandbox_name,
 )
 from fleet_sim.sandbox_notify import Notifier, NotifyPolicy, NotifyTarget
+from fleet_sim.serving import listen_arg
 from replica.errors import ConfigError
 from replica.keyfiles import KEY_LEN, b64url_encode, read_key_file, write_key_file
 
@@ -427,20 +428,12 @@ def load_or_create_secret(path: Path) -> bytes:
     return read_key_file(path, what="sandbox secret")
 
 
-def _listen(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"--listen {value!r} is not HOST:PORT")
-    return host, int(port)
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fleet_sim.sandbox",
         description="Simulated sandbox exec service: real subprocesses, jobs, job-end callbacks.",
     )
-    parser.add_argument("--listen", type=_listen, required=True, metavar="HOST:PORT")
+    parser.add_argument("--listen", type=listen_arg, required=True, metavar="HOST:PORT")
     parser.add_argument("--root", type=Path, required=True, help="directory holding sandboxes")
     parser.add_argument(
         "--secret-file",

@@ -3,6 +3,7 @@ JSON line (what ``fleet_sim.local`` reads), serve until SIGTERM or SIGINT, then 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -10,6 +11,17 @@ import signal
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+
+from replica.config import parse_hostport
+from replica.errors import ConfigError
+
+
+def listen_arg(value: str) -> tuple[str, int]:
+    """``--listen HOST:PORT`` for argparse, parsed as every other command of the project does."""
+    try:
+        return parse_hostport(value, "--listen")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def serve_until_signalled(start: Callable[[], Awaitable[tuple[web.AppRunner, str]]]) -> None:
