@@ -52,6 +52,8 @@ def test_a_short_soak_loses_nothing(tmp_path: Path) -> None:
         "60",
         "--sessions",
         "6",
+        "--fault-every",
+        "10",
         "--substrate",
         "leasefs",
         "--seed",
@@ -64,5 +66,8 @@ def test_a_short_soak_loses_nothing(tmp_path: Path) -> None:
     assert result["verdict"] == "pass", output
     claims = {c["claim"]: c for c in result["claims"]}  # type: ignore[attr-defined]
     assert claims["no-acknowledged-turn-lost-or-duplicated"]["figures"]["lost"] == 0
-    assert claims["soak-completes"]["figures"]["turns_ok"] > 0
+    figures = claims["soak-completes"]["figures"]
+    assert figures["turns_ok"] > 0
+    assert figures["deploys"] >= 1
+    assert figures["deploys"] + figures["kills"] + figures["partitions"] >= 3
     assert code == 0

@@ -19,6 +19,28 @@ from fleet_sim.sim.scenario import (
 from fleet_sim.sim.soak import soak
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def _sessions(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 2 <= value <= 1000:
+        raise argparse.ArgumentTypeError(
+            f"must be within 2-1000 (one per slice at least), got {value}"
+        )
+    return value
+
+
 def _results_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--results",
@@ -56,8 +78,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     matrix.set_defaults(handler=_matrix)
 
     soak_parser = subparsers.add_parser("soak", help="a long run with deploys, kills, partitions")
-    soak_parser.add_argument("--duration", type=float, default=300.0, metavar="S")
-    soak_parser.add_argument("--sessions", type=int, default=20, metavar="N")
+    soak_parser.add_argument("--duration", type=_positive, default=300.0, metavar="S")
+    soak_parser.add_argument("--sessions", type=_sessions, default=20, metavar="N")
+    soak_parser.add_argument(
+        "--fault-every",
+        type=_positive,
+        default=None,
+        metavar="S",
+        help="seconds between faults, jittered by a third (default: an eighth of the duration)",
+    )
     soak_parser.add_argument("--substrate", default="local-dir", choices=SUBSTRATES[:2])
     _results_arg(soak_parser)
     soak_parser.set_defaults(handler=_soak)
@@ -122,7 +151,12 @@ def _soak(args: argparse.Namespace) -> int:
         ("soak-completes",),
         ("local-dir", "leasefs"),
         "many sessions, rolling deploys, kills and partitions",
-        lambda ctx: soak(ctx, duration_s=args.duration, sessions=args.sessions),
+        lambda ctx: soak(
+            ctx,
+            duration_s=args.duration,
+            sessions=args.sessions,
+            fault_every_s=args.fault_every,
+        ),
         {"retry_budget_s": 120.0},
     )
     run_dir = new_run_dir(args.results, "soak")

@@ -36,8 +36,9 @@ def new_token() -> str:
     return "op-" + secrets.token_hex(6)
 
 
-def _ws_url(edge: str, session_id: str) -> str:
-    return edge.replace("http", "ws", 1) + f"/_beyond/agent?session_id={session_id}"
+def _ws_url(edge: str, session_id: str, since: str | None = None) -> str:
+    url = edge.replace("http", "ws", 1) + f"/_beyond/agent?session_id={session_id}"
+    return url if since is None else f"{url}&since={since}"
 
 
 async def prompt_ws(
@@ -46,18 +47,22 @@ async def prompt_ws(
     journal: Journal,
     *,
     text: str = "",
+    since: str | None = None,
     timeout_s: float = OP_TIMEOUT_S,
 ) -> Op:
-    """One prompt over a fresh WebSocket through the edge."""
+    """One prompt over a fresh WebSocket through the edge. A client that keeps ``since`` (the
+    last committed message id it saw, the op's ``figures["leaf"]``) is sent only what is newer,
+    as a reconnecting client is; without it the catch-up carries the whole transcript."""
     token = new_token()
     started = time.time()
     sent = False
     committed = 0
+    leaf: str | None = since
     outcome, detail = "unknown", ""
     try:
         async with asyncio.timeout(timeout_s):
             async with websockets.connect(
-                _ws_url(edge, session.session_id),
+                _ws_url(edge, session.session_id, since),
                 max_size=None,
                 open_timeout=timeout_s,
                 additional_headers={"x-beyond-grant": session.grant},
@@ -71,6 +76,7 @@ async def prompt_ws(
                     kind = frame.get("type")
                     if kind == "committed":
                         committed += 1
+                        leaf = frame.get("leaf_id") or leaf
                     elif kind == "session_superseded":
                         detail = "superseded"
                         break
@@ -99,7 +105,7 @@ async def prompt_ws(
         outcome,  # type: ignore[arg-type]
         "ws",
         detail,
-        {"committed": committed},
+        {"committed": committed, "leaf": leaf},
     )
     journal.record(op)
     return op
@@ -146,16 +152,21 @@ async def drive(
     seed: int = 0,
 ) -> list[Op]:
     """Each session prompts back to back (with a little think time) until ``until`` or until
-    ``max_ops`` operations in all; bounded in both count and time."""
+    ``max_ops`` operations in all; bounded in both count and time. Each client reconnects with
+    the last message id it saw committed, so a long run's catch-ups stay small."""
     rng = random.Random(seed)
     budget = {"left": max_ops}
     ops: list[Op] = []
 
     async def client(session: Session) -> None:
         await asyncio.sleep(rng.random() * think_s)
+        since: str | None = None
         while time.time() < until and budget["left"] > 0:
             budget["left"] -= 1
-            ops.append(await prompt_ws(edge, session, journal))
+            op = await prompt_ws(edge, session, journal, since=since)
+            if op.outcome == "ok":
+                since = op.figures["leaf"]
+            ops.append(op)
             await asyncio.sleep(think_s * (0.5 + rng.random()))
 
     await asyncio.gather(*(client(s) for s in sessions))
