@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from fleet_sim.keys import KeySet
 from fleet_sim.local import Fleet, Replica, Service
 
 SLICES: dict[str, list[str]] = {"a07": ["a07-s1", "a07-s2"], "a08": ["a08-s1", "a08-s2"]}
@@ -32,6 +33,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def request_session(control_plane_url: str, tenant: str) -> dict[str, Any]:
+    """Ask the control plane for a new session of ``tenant``: its id, slice and a grant."""
+    response = httpx.post(f"{control_plane_url}/v1/sessions", json={"tenant": tenant}, timeout=10)
+    response.raise_for_status()
+    made: dict[str, Any] = response.json()
+    return made
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,13 +106,28 @@ class LocalFleet:
             ],
         }
 
+    @property
+    def edge_metrics_url(self) -> str | None:
+        return self.edge.metrics_url
+
+    @property
+    def control_plane_url(self) -> str:
+        return self.control_plane.url
+
+    @property
+    def keys(self) -> KeySet:
+        return self.fleet.keys
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.fleet.keys_dir
+
+    @property
+    def retry_budget_s(self) -> float:
+        return self.config.retry_budget_s
+
     def new_session(self, tenant: str = "demo") -> dict[str, Any]:
-        response = httpx.post(
-            f"{self.control_plane.url}/v1/sessions", json={"tenant": tenant}, timeout=10
-        )
-        response.raise_for_status()
-        made: dict[str, Any] = response.json()
-        return made
+        return request_session(self.control_plane.url, tenant)
 
     def start_replica(self, name: str, slice_name: str) -> Replica:
         """Start (or start again, on the same port) one replica of ``slice_name``."""

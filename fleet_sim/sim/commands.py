@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from pathlib import Path
 
 import fleet_sim.sim.scenarios_jobs  # noqa: F401 - registers the job-end scenarios
 from fleet_sim.sim import scenarios_core  # noqa: F401 - registers the catalogue
+from fleet_sim.sim.fleets import AttachedError, AttachedFleet
 from fleet_sim.sim.scenario import (
     CATALOGUE,
     SUBSTRATES,
+    AttachedTarget,
     Scenario,
     new_run_dir,
     run_scenario,
@@ -41,6 +45,53 @@ def _sessions(text: str) -> int:
     return value
 
 
+def _attached_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state", type=Path, metavar="FILE", help="attached: the external fleet's state JSON"
+    )
+    parser.add_argument(
+        "--fault-cmd",
+        metavar="CMD",
+        help="attached: the command run as `CMD VERB REPLICA` to inject faults "
+        "(e.g. deploy/attached-local/fault.sh)",
+    )
+
+
+def _attached_target(args: argparse.Namespace, command: str) -> AttachedTarget | int | None:
+    """The attached fleet the flags name; None for a local substrate; 2 after a message."""
+    if args.substrate != "attached":
+        if args.state or args.fault_cmd:
+            print(
+                f"fleet-sim {command}: --state and --fault-cmd go with --substrate attached",
+                file=sys.stderr,
+            )
+            return 2
+        return None
+    if not args.state or not args.fault_cmd:
+        print(
+            f"fleet-sim {command}: --substrate attached needs --state FILE (the fleet's state "
+            "JSON) and --fault-cmd CMD (see deploy/attached-local)",
+            file=sys.stderr,
+        )
+        return 2
+    if not args.state.is_file():
+        print(f"fleet-sim {command}: no state file at {args.state}", file=sys.stderr)
+        return 2
+    fault_cmd = shutil.which(args.fault_cmd)
+    if fault_cmd is None:
+        print(
+            f"fleet-sim {command}: the fault command {args.fault_cmd} is not an executable",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        AttachedFleet.load(args.state)
+    except AttachedError as exc:
+        print(f"fleet-sim {command}: {exc}", file=sys.stderr)
+        return 2
+    return AttachedTarget(args.state, os.path.abspath(fault_cmd))
+
+
 def _results_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--results",
@@ -59,7 +110,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     run = subparsers.add_parser("run", help="run one scenario on a fresh fleet")
     run.add_argument("scenario", metavar="SCENARIO", choices=sorted(CATALOGUE))
-    run.add_argument("--substrate", default="local-dir", choices=SUBSTRATES[:2])
+    run.add_argument("--substrate", default="local-dir", choices=SUBSTRATES)
+    _attached_args(run)
     _results_arg(run)
     run.set_defaults(handler=_run)
 
@@ -72,8 +124,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="SCENARIO",
         help="run just these (repeatable)",
     )
-    matrix.add_argument("--state", type=Path, help="attached: the fleet's state JSON")
-    matrix.add_argument("--fault-cmd", help="attached: the command that injects faults")
+    _attached_args(matrix)
     _results_arg(matrix)
     matrix.set_defaults(handler=_matrix)
 
@@ -116,19 +167,20 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    target = _attached_target(args, "run")
+    if isinstance(target, int):
+        return target
     run_dir = new_run_dir(args.results, item.name)
-    result = run_scenario(item, args.substrate, run_dir, quick=args.quick, seed=args.seed)
+    result = run_scenario(
+        item, args.substrate, run_dir, quick=args.quick, seed=args.seed, attached=target
+    )
     return _report(run_dir, [result])
 
 
 def _matrix(args: argparse.Namespace) -> int:
-    if args.substrate == "attached":
-        print(
-            "fleet-sim matrix: --substrate attached drives an external fleet; this build "
-            "runs the catalogue on local-dir and leasefs (see deploy/attached-local)",
-            file=sys.stderr,
-        )
-        return 2
+    target = _attached_target(args, "matrix")
+    if isinstance(target, int):
+        return target
     unknown = [n for n in args.only if n not in CATALOGUE]
     if unknown:
         print(f"fleet-sim matrix: unknown scenarios: {', '.join(unknown)}", file=sys.stderr)
@@ -139,7 +191,9 @@ def _matrix(args: argparse.Namespace) -> int:
     for item in chosen:
         if args.substrate not in item.substrates:
             continue
-        result = run_scenario(item, args.substrate, run_dir, quick=args.quick, seed=args.seed)
+        result = run_scenario(
+            item, args.substrate, run_dir, quick=args.quick, seed=args.seed, attached=target
+        )
         print(f"{item.name}: {result['verdict']} ({result['seconds']}s)", flush=True)
         results.append(result)
     return _report(run_dir, results)

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import httpx
 
+from fleet_sim.sim.substrates import NotApplicable, run_fault_command
 from fleet_sim.up import LocalFleet
 
 
@@ -79,7 +80,7 @@ class CommandFaults:
         self.urls = replica_urls
 
     def _run(self, verb: str, replica: str) -> None:
-        subprocess.run([self.command, verb, replica], check=True, timeout=300)
+        run_fault_command(self.command, verb, replica)
 
     def kill(self, replica: str) -> None:
         self._run("kill", replica)
@@ -100,8 +101,33 @@ class CommandFaults:
     def wait_ready(self, replica: str, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.urls[replica]}/readyz", timeout=2).status_code == 200:
-                    return
+            if self._ready(replica):
+                return
             time.sleep(0.5)
         raise TimeoutError(f"{replica} did not become ready")
+
+    def _ready(self, replica: str) -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{self.urls[replica]}/readyz", timeout=2).status_code == 200
+        return False
+
+    def restore(self) -> list[str]:
+        """Make the fleet whole again between scenarios (an attached fleet outlives each one):
+        a replica that does not answer ready is healed and resumed, or started again if it is
+        gone.
+        Returns the replicas it had to restart."""
+        restarted = []
+        for replica in self.urls:
+            if self._ready(replica):
+                continue
+            with contextlib.suppress(RuntimeError, NotApplicable):
+                self._run("heal", replica)  # a scenario that failed may leave a partition
+            with contextlib.suppress(RuntimeError):
+                self._run("resume", replica)  # fails when it is not running: then restart
+            if self._ready(replica):
+                continue
+            with contextlib.suppress(RuntimeError):
+                self._run("restart", replica)
+                restarted.append(replica)
+            self.wait_ready(replica)
+        return restarted

@@ -9,6 +9,7 @@ started is gone when it returns, whatever happened.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -22,9 +23,10 @@ from edge.ring import Ring
 from fleet_sim.keys import derive_tenant_dek
 from fleet_sim.sim import checkers
 from fleet_sim.sim.checkers import ClaimResult
-from fleet_sim.sim.faults import Faults, LocalFaults
+from fleet_sim.sim.faults import CommandFaults, Faults, LocalFaults
+from fleet_sim.sim.fleets import AttachedFleet, FleetView
 from fleet_sim.sim.journal import Journal, Op, load
-from fleet_sim.sim.substrates import LeaseFs, LocalDir, NotApplicable, Substrate
+from fleet_sim.sim.substrates import Attached, LeaseFs, LocalDir, NotApplicable, Substrate
 from fleet_sim.sim.workload import Session, reachable
 from fleet_sim.up import SLICES, LocalFleet, UpConfig, start
 from replica.errors import StoreError
@@ -36,11 +38,19 @@ T = TypeVar("T")
 SUBSTRATES = ("local-dir", "leasefs", "attached")
 
 
+@dataclass(frozen=True, slots=True)
+class AttachedTarget:
+    """An external fleet: its state file and the command that injects faults into it."""
+
+    state_file: Path
+    fault_cmd: str
+
+
 @dataclass
 class Context:
     name: str
     substrate: Substrate
-    fleet: LocalFleet
+    fleet: FleetView
     faults: Faults
     journal: Journal
     out_dir: Path
@@ -51,6 +61,14 @@ class Context:
     @property
     def edge(self) -> str:
         return self.fleet.edge_url
+
+    @property
+    def local(self) -> LocalFleet:
+        """The fleet, for what only a fleet the simulator started can do (add a replica,
+        reload the edge, look inside the sandbox simulator)."""
+        if not isinstance(self.fleet, LocalFleet):
+            raise NotApplicable("needs a fleet the simulator started itself")
+        return self.fleet
 
     def run(self, coroutine: Any) -> Any:
         return asyncio.run(coroutine)
@@ -89,7 +107,7 @@ class Context:
             store = SessionStore(self.substrate.backing(str(sid.shard)))
             try:
                 found[s.session_id] = store.read(
-                    s.tenant, sid, derive_tenant_dek(self.fleet.fleet.keys, s.tenant)
+                    s.tenant, sid, derive_tenant_dek(self.fleet.keys, s.tenant)
                 )
             except StoreError as exc:
                 failures[s.session_id] = str(exc)
@@ -134,11 +152,15 @@ CATALOGUE: dict[str, Scenario] = {}
 def scenario(
     name: str, *, claims: Sequence[str], substrates: Sequence[str] = SUBSTRATES, **fleet: Any
 ) -> Callable[[ScenarioFn], ScenarioFn]:
+    # A scenario that starts its fleet with other settings (a slow model, a session cap) cannot
+    # run on an attached fleet, which was started by somebody else with its own.
+    where = tuple(s for s in substrates if not (fleet and s == "attached"))
+
     def register(fn: ScenarioFn) -> ScenarioFn:
         CATALOGUE[name] = Scenario(
             name,
             tuple(claims),
-            tuple(substrates),
+            where,
             " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split()),
             fn,
             fleet,
@@ -157,9 +179,16 @@ def make_substrate(name: str, root: Path) -> Substrate:
 
 
 def run_scenario(
-    item: Scenario, substrate_name: str, out_dir: Path, *, quick: bool = False, seed: int = 0
+    item: Scenario,
+    substrate_name: str,
+    out_dir: Path,
+    *,
+    quick: bool = False,
+    seed: int = 0,
+    attached: AttachedTarget | None = None,
 ) -> dict[str, Any]:
-    """Build a fleet, run one scenario on it, grade, tear everything down; the result dict."""
+    """Build a fleet (or, with ``attached``, use the one its state file describes), run one
+    scenario on it, grade, tear down what was started; the result dict."""
     started = time.time()
     root = out_dir / f"{item.name}.{substrate_name}"
     root.mkdir(parents=True, exist_ok=True)
@@ -169,18 +198,34 @@ def run_scenario(
         "started": started,
         "claims": [],
     }
-    substrate = make_substrate(substrate_name, root)
-    fleet: LocalFleet | None = None
+    substrate: Substrate = LocalDir(root)
+    fleet: FleetView | None = None
     journal = Journal(root / "journal.jsonl")
+    faults: Faults | None = None
     try:
         shards = [s for shards in SLICES.values() for s in shards]
-        substrate.prepare([], shards)
-        overrides = {"model": "mock", "drain_grace_s": 10.0, "idle_timeout_s": 60.0, **item.fleet}
-        config = UpConfig(state_dir=root / "fleet", listen="127.0.0.1:0", **overrides)
-        fleet = start(config, _mounting(substrate))
-        context = Context(
-            item.name, substrate, fleet, LocalFaults(fleet), journal, root, quick, seed
-        )
+        if attached is not None:
+            outside = AttachedFleet.load(attached.state_file)
+            substrate = Attached(attached.fault_cmd, outside.shards, outside.lease_s)
+            substrate.prepare([], shards)
+            commands = CommandFaults(
+                attached.fault_cmd, {name: r.url for name, (_, r) in outside.replicas.items()}
+            )
+            commands.restore()  # whatever an earlier run left down comes back first
+            fleet, faults = outside, commands
+        else:
+            substrate = make_substrate(substrate_name, root)
+            substrate.prepare([], shards)
+            overrides = {
+                "model": "mock",
+                "drain_grace_s": 10.0,
+                "idle_timeout_s": 60.0,
+                **item.fleet,
+            }
+            config = UpConfig(state_dir=root / "fleet", listen="127.0.0.1:0", **overrides)
+            local = start(config, _mounting(substrate))
+            fleet, faults = local, LocalFaults(local)
+        context = Context(item.name, substrate, fleet, faults, journal, root, quick, seed)
         claims = item.run(context)
         result["claims"] = [c.as_dict() for c in claims]
         result["notes"] = context.notes
@@ -202,6 +247,9 @@ def run_scenario(
         journal.close()
         if fleet is not None:
             fleet.stop(drain_timeout_s=20)
+        if isinstance(faults, CommandFaults):
+            with contextlib.suppress(Exception):
+                result["restarted_after"] = faults.restore()
         substrate.close()
     result["seconds"] = round(time.time() - started, 2)
     (out_dir / f"{item.name}.{substrate_name}.json").write_text(json.dumps(result, indent=2))

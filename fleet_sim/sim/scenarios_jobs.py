@@ -340,7 +340,7 @@ def edge_in_front_of(
     path.write_text("\n".join(lines))
     edge = None
     try:
-        edge = ctx.fleet.fleet.edge(
+        edge = ctx.local.fleet.edge(
             path, name="edge-rec", metrics=f"127.0.0.1:{free_port()}", listen="127.0.0.1:0"
         )
         yield edge.url, edge.metrics_url
@@ -356,7 +356,7 @@ def edge_in_front_of(
 
 
 def notify_key(ctx: Context) -> NotifyKey:
-    return NotifyKey(read_key_file(ctx.fleet.fleet.keys_dir / "notify.key", what="notify key"))
+    return NotifyKey(read_key_file(ctx.fleet.keys_dir / "notify.key", what="notify key"))
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -390,7 +390,7 @@ def replica_metric(
 
 def sandbox_get(ctx: Context, session: Session, path: str) -> dict[str, Any] | None:
     """The session's sandbox, asked directly (the sandbox is named after the session id)."""
-    url, headers = ctx.fleet.fleet.sandbox.exec_for(session.session_id)
+    url, headers = ctx.local.fleet.sandbox.exec_for(session.session_id)
     try:
         response = httpx.get(f"{url}{path}", headers=headers, timeout=10)
     except httpx.HTTPError:
@@ -404,7 +404,7 @@ def sandbox_get(ctx: Context, session: Session, path: str) -> dict[str, Any] | N
 def callback_attempts(ctx: Context, job_id: str) -> list[int | None]:
     """Every status the sandbox got for this job's callbacks, in order (no tokens are here)."""
     try:
-        listing = httpx.get(f"{ctx.fleet.fleet.sandbox.url}/_sim/notifications", timeout=10)
+        listing = httpx.get(f"{ctx.local.fleet.sandbox.url}/_sim/notifications", timeout=10)
     except httpx.HTTPError:
         return []
     statuses: list[int | None] = []
@@ -417,7 +417,7 @@ def callback_attempts(ctx: Context, job_id: str) -> list[int | None]:
 def lifecycle_events(ctx: Context, kind: str, session_id: str) -> list[dict[str, Any]]:
     try:
         response = httpx.get(
-            f"{ctx.fleet.control_plane.url}/v1/lifecycle",
+            f"{ctx.fleet.control_plane_url}/v1/lifecycle",
             params={"type": kind, "session_id": session_id},
             timeout=10,
         )
@@ -621,7 +621,7 @@ def held_job(release_file: str, says: str) -> str:
 
 def release(ctx: Context, session: Session, release_file: str = "end") -> None:
     """End a :func:`held_job` (or the survivor's loop): the file appears in its workspace."""
-    workspace = ctx.fleet.fleet.root / "sandboxes" / session.session_id / "workspace"
+    workspace = ctx.local.fleet.root / "sandboxes" / session.session_id / "workspace"
     (workspace / release_file).touch()
 
 
@@ -715,7 +715,7 @@ def classified_exactly(ctx: Context) -> list[ClaimResult]:
             400,
         ),
     }
-    edge_metrics = ctx.fleet.edge.metrics_url
+    edge_metrics = ctx.fleet.edge_metrics_url
 
     def replica_side() -> float:
         return replica_metric(ctx, "agent_refusals_total") + replica_metric(
@@ -1088,7 +1088,7 @@ def rate_limited_per_session(ctx: Context) -> list[ClaimResult]:
         callback_target(bystander.session_id, bystander.tenant),
         b"Bearer " + key.mint(bystander.tenant, bystander.session_id).encode(),
     )
-    edge_metrics = ctx.fleet.edge.metrics_url
+    edge_metrics = ctx.fleet.edge_metrics_url
     before = metric(scrape(edge_metrics), "edge_callbacks_rate_limited_total", scope="session")
     answers, spread = ctx.run(send_together(ctx.edge, [mine] * 30 + [theirs]))
     after = metric(scrape(edge_metrics), "edge_callbacks_rate_limited_total", scope="session")
@@ -1187,7 +1187,7 @@ def token_never_logged(ctx: Context) -> list[ClaimResult]:
             ctx.run(send_raw(ctx.edge, data, timeout_s=30))
     wanted = {s.session_id for s in sessions}
     key = notify_key(ctx)
-    shaped, problem = tokens_in_memory(ctx.fleet.fleet.sandbox.proc.proc.pid)
+    shaped, problem = tokens_in_memory(ctx.local.fleet.sandbox.proc.proc.pid)
     given: set[bytes] = set()
     for candidate in shaped:
         with contextlib.suppress(NotifyTokenError, UnicodeDecodeError):
@@ -1299,9 +1299,9 @@ def across_a_ring_change(ctx: Context) -> list[ClaimResult]:
         raise SetupFailed("no session moves to the new replica")
     old_owner = ctx.owner(session.session_id)
     job = start_job(ctx, session, held_job("end", "across-the-ring"))
-    ctx.fleet.start_replica("r9", "a07")
+    ctx.local.start_replica("r9", "a07")
     ctx.faults.wait_ready("r9")
-    ctx.fleet.reload_edge()
+    ctx.local.reload_edge()
     time.sleep(1.0)  # the edge reloads on SIGHUP, asynchronously
     release(ctx, session)
     telling = wait_told(ctx, session, job)
