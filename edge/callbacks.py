@@ -99,7 +99,7 @@ async def forward_callback(
             body = await read_body(request, headers, options.max_request_body_bytes)
             data = upstream_request(request, target, headers, body, host, callback=True)
             response = await proxy.place(
-                request, slice_config, session_id, data, options, policy, tally, started, owner
+                False, slice_config, session_id, data, options, policy, tally, started, owner
             )
             try:
                 reply = await response.read_all(CALLBACK_ANSWER_LIMIT)
@@ -114,7 +114,8 @@ async def forward_callback(
         text = f"no replica answered the callback within {options.callback_budget_s:g} s"
         return answer(503, text, retry_after=True), Outcome.TIMED_OUT
     except PlacementFailed as exc:
-        return placement_failed(exc, slice_config, policy, Kind.CALLBACK, metrics)
+        failed = placement_failed(exc, slice_config, policy, Kind.CALLBACK, metrics)
+        return failed.response(), failed.outcome
     except UpstreamTimeout as exc:
         log.warning("%s", exc)
         return answer(503, "the replica did not answer the callback in time"), Outcome.TIMED_OUT

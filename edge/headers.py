@@ -48,6 +48,7 @@ _WS_HANDSHAKE = HOP_BY_HOP | {
     b"sec-websocket-protocol",
     b"sec-websocket-accept",
 }
+_RESPONSE_REFRAMED = HOP_BY_HOP | {b"content-length"}
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _CRLF = b"\r\n"
 
@@ -146,6 +147,13 @@ def response_headers(headers: RawHeaders, *, keep_length: bool) -> list[tuple[st
     """
     drop = _drop_set(headers, HOP_BY_HOP if keep_length else HOP_BY_HOP | {b"content-length"})
     return [(_text(n), _text(v)) for n, v in headers if n.lower() not in drop]
+
+
+def response_fields(headers: RawHeaders) -> bytes:
+    """A replica's response fields for the client as raw header lines, without hop-by-hop
+    fields and without ``Content-Length`` (the fast lane writes the framing itself)."""
+    drop = _drop_set(headers, _RESPONSE_REFRAMED)
+    return b"".join(n + b": " + v + _CRLF for n, v in headers if n.lower() not in drop)
 
 
 def websocket_headers(headers: RawHeaders) -> list[tuple[str, str]]:

@@ -1,5 +1,5 @@
-"""Plain HTTP through the edge: POST commands, SSE event streams, and anything else under
-``/_beyond/agent``.
+"""Plain HTTP through the edge on aiohttp's server: SSE event streams, and the commands and
+anything else under ``/_beyond/agent`` that the fast lane (:mod:`edge.fastpath`) hands over.
 
 A request is placed before the client sees anything: its body is buffered (a retry must re-send
 it whole), the hashed replica is asked, and refusals go through the retry-then-walk loop of
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Final
 
 from aiohttp import web
@@ -70,6 +71,19 @@ def answer(status: int, text: str, *, retry_after: bool = False) -> web.Response
     """A response made by the edge itself (plain text, never quoting request headers)."""
     headers = {"Retry-After": "1"} if retry_after else None
     return web.Response(status=status, text=text + "\n", headers=headers)
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeAnswer:
+    """What the edge answers itself when it could not get a replica's answer."""
+
+    status: int
+    text: str
+    outcome: Outcome
+    retry_after: bool = False
+
+    def response(self) -> web.Response:
+        return answer(self.status, self.text, retry_after=self.retry_after)
 
 
 async def read_body(request: BaseRequest, headers: RawHeaders, max_bytes: int) -> bytes:
@@ -173,7 +187,7 @@ class HttpProxy:
 
     async def place(
         self,
-        request: BaseRequest,
+        head_only: bool,
         slice_config: SliceConfig,
         session_id: str,
         data: bytes,
@@ -183,8 +197,6 @@ class HttpProxy:
         started: float,
         owner: ReplicaConfig,
     ) -> UpstreamResponse:
-        head_only = request.method == "HEAD"
-
         async def attempt(replica: ReplicaConfig) -> UpstreamResponse | Refusal:
             return await self.attempt(replica, data, options, head_only)
 
@@ -211,22 +223,52 @@ class HttpProxy:
         owner = slice_config.replica(slice_config.ring.owner(session_id))
         host = self.pool.origin(owner.url).host_header
         data = upstream_request(request, target, headers, body, host, callback=False)
+        placed = await self.placed(
+            request.method == "HEAD",
+            kind,
+            data,
+            slice_config,
+            session_id,
+            options,
+            policy,
+            tally,
+            started,
+            owner,
+        )
+        if isinstance(placed, EdgeAnswer):
+            return placed.response(), placed.outcome
+        return await relay(request, placed, kind, options, self.metrics, record)
+
+    async def placed(
+        self,
+        head_only: bool,
+        kind: Kind,
+        data: bytes,
+        slice_config: SliceConfig,
+        session_id: str,
+        options: EdgeOptions,
+        policy: RetryPolicy,
+        tally: Tally,
+        started: float,
+        owner: ReplicaConfig,
+    ) -> UpstreamResponse | EdgeAnswer:
+        """The replica's answer once placed, or the edge's own answer when placement failed."""
         try:
             response = await self.place(
-                request, slice_config, session_id, data, options, policy, tally, started, owner
+                head_only, slice_config, session_id, data, options, policy, tally, started, owner
             )
         except PlacementFailed as exc:
             return placement_failed(exc, slice_config, policy, kind, self.metrics)
         except UpstreamTimeout as exc:
             log.warning("%s", exc)
-            return answer(504, f"replica {tally.replica} did not answer in time"), Outcome.TIMED_OUT
+            text = f"replica {tally.replica} did not answer in time"
+            return EdgeAnswer(504, text, Outcome.TIMED_OUT)
         except UpstreamBadResponse as exc:
             log.warning("%s", exc)
-            return answer(502, f"replica {tally.replica} sent an unusable answer"), (
-                Outcome.UPSTREAM_ERROR
-            )
+            text = f"replica {tally.replica} sent an unusable answer"
+            return EdgeAnswer(502, text, Outcome.UPSTREAM_ERROR)
         self.metrics.placement[kind].observe(asyncio.get_running_loop().time() - started)
-        return await relay(request, response, kind, options, self.metrics, record)
+        return response
 
 
 def placement_failed(
@@ -235,13 +277,13 @@ def placement_failed(
     policy: RetryPolicy,
     kind: Kind,
     metrics: EdgeMetrics,
-) -> tuple[web.Response, Outcome]:
+) -> EdgeAnswer:
     if exc.reason is GiveUpReason.MISROUTED:
         text = (
             f"every replica of slice {slice_config.name} answered 421: none mounts this "
             "session's shard, so the edge's slice configuration is wrong"
         )
-        return answer(502, text), Outcome.MISROUTED
+        return EdgeAnswer(502, text, Outcome.MISROUTED)
     metrics.exhausted[kind].inc()
     log.warning(
         "retry budget of %g s exhausted on slice %s; last answer %s",
@@ -253,7 +295,30 @@ def placement_failed(
         f"no replica of slice {slice_config.name} could take this session within "
         f"{policy.budget_s:g} s; last answer from {exc.note}"
     )
-    return answer(503, text, retry_after=True), Outcome.EXHAUSTED
+    return EdgeAnswer(503, text, Outcome.EXHAUSTED, retry_after=True)
+
+
+async def whole_body(
+    response: UpstreamResponse, options: EdgeOptions, *, streaming: bool = False
+) -> bytes | EdgeAnswer | None:
+    """The answer's whole body if it has arrived, or if it is a short fixed-length one (then
+    read now, unless ``streaming``); None when it is to be streamed; the edge's own answer when
+    the replica stalls or breaks off before the body is whole."""
+    body = response.body_if_complete()
+    if body is not None or streaming:
+        return body
+    length = declared_length(response.headers)
+    if length is None or length > COALESCE_LIMIT:
+        return None
+    try:
+        async with asyncio.timeout(options.upstream_header_timeout_s):
+            return await response.read_all(length)
+    except TimeoutError:
+        log.warning("a replica stalled mid-answer; answering 504")
+        return EdgeAnswer(504, "the replica stalled mid-answer", Outcome.TIMED_OUT)
+    except UpstreamError as exc:
+        log.warning("%s", exc)
+        return EdgeAnswer(502, "the replica's answer broke off", Outcome.UPSTREAM_ERROR)
 
 
 async def relay(
@@ -266,19 +331,9 @@ async def relay(
 ) -> tuple[web.StreamResponse, Outcome]:
     """Pass a replica's answer on: in one write when it is complete, else streamed."""
     try:
-        body = response.body_if_complete()
-        if body is None and kind is not Kind.SSE:
-            length = declared_length(response.headers)
-            if length is not None and length <= COALESCE_LIMIT:
-                try:
-                    async with asyncio.timeout(options.upstream_header_timeout_s):
-                        body = await response.read_all(length)
-                except TimeoutError:
-                    log.warning("a replica stalled mid-answer; answering 504")
-                    return answer(504, "the replica stalled mid-answer"), Outcome.TIMED_OUT
-                except UpstreamError as exc:
-                    log.warning("%s", exc)
-                    return answer(502, "the replica's answer broke off"), Outcome.UPSTREAM_ERROR
+        body = await whole_body(response, options, streaming=kind is Kind.SSE)
+        if isinstance(body, EdgeAnswer):
+            return body.response(), body.outcome
         if body is not None:
             keep_length = request.method == "HEAD"
             out = web.Response(

@@ -1,16 +1,21 @@
-"""The serving edge: one aiohttp low-level server, its lifecycle, reloads and drain.
+"""The serving edge: a fast lane and aiohttp's low-level server, their lifecycle, reloads and
+drain.
 
-Requests are dispatched by :func:`edge.classify.classify` rather than a router: the edge has a
-handful of routes and the hot path should not pay for URL matching, middlewares or an
-application object per request. Each handler runs with ``handler_cancellation`` on, so a client
-that goes away cancels its request wherever it is: in placement (no more retries; the replica
-connection is aborted), in a stream, or in a WebSocket relay.
+Every connection starts on the fast lane (:mod:`edge.fastpath`), which serves plain commands
+straight off the socket and hands anything else, with the bytes it has read, to aiohttp's
+low-level server for the rest of the connection. There, requests are dispatched by
+:func:`edge.classify.classify` rather than a router: the edge has a handful of routes and the
+hot path should not pay for URL matching, middlewares or an application object per request.
+Each handler runs with ``handler_cancellation`` on, and the fast lane cancels likewise, so a
+client that goes away cancels its request wherever it is: in placement (no more retries; the
+replica connection is aborted), in a stream, or in a WebSocket relay.
 
 Lifecycle: ``STARTING`` -> ``SERVING`` -> ``DRAINING`` -> ``STOPPED``. Draining goes in ordered
 stages, each bounded:
 
-1. ``/readyz`` answers 503 and the listening sockets close (no new connections);
-2. idle keep-alive connections close, busy ones close after their current request;
+1. ``/readyz`` answers 503 and the listening socket closes (no new connections);
+2. idle keep-alive connections close, busy ones close after their current request (on both
+   lanes);
 3. requests, streams and WebSockets in progress get up to ``drain_grace_s`` to finish;
 4. whatever is still running is cancelled (WebSockets are closed with 1001) and awaited;
 5. the replica connection pools and the metrics listener close.
@@ -23,9 +28,11 @@ logged and the running one kept.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -39,8 +46,11 @@ from edge.callbacks import CallbackLimits, forward_callback
 from edge.classify import Kind, Local, Probe, Refused, Routed, classify
 from edge.config import EdgeConfig, load_config
 from edge.errors import ConfigError, RoutingError
+from edge.fastpath import FastConnection, FastLane, FastRequest
+from edge.fastpath import relay as fast_relay
+from edge.headers import request_head
 from edge.metrics import EdgeMetrics, Outcome, start_metrics_server
-from edge.proxy import HttpProxy, answer
+from edge.proxy import EdgeAnswer, HttpProxy, answer
 from edge.retry import RetryPolicy
 from edge.upstream import UpstreamPool
 from edge.websocket import WebSocketProxy
@@ -88,6 +98,8 @@ class Edge:
         self.metrics.in_flight.set_function(lambda: len(self._tasks))
         self._idle = asyncio.Event()
         self._runner: web.ServerRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self._lane: FastLane | None = None
         self._metrics_runner: web.AppRunner | None = None
         self.host = ""
         self.port = 0
@@ -101,6 +113,11 @@ class Edge:
     @property
     def in_flight(self) -> int:
         return len(self._tasks)
+
+    @property
+    def fast_lane_handovers(self) -> int:
+        """Connections the fast lane gave to aiohttp's handler (see edge.fastpath)."""
+        return self._lane.handed_over if self._lane is not None else 0
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -118,8 +135,13 @@ class Edge:
         )
         runner = web.ServerRunner(server, shutdown_timeout=1.0)
         await runner.setup()
+        self._lane = FastLane(self._serve_fast, server, lambda: self.runtime.config.options)
         try:
-            await web.TCPSite(runner, host, port).start()
+            # Every connection starts on the fast lane, which hands what it does not serve
+            # itself to aiohttp's handler (``server`` is its protocol factory).
+            self._listener = await asyncio.get_running_loop().create_server(
+                self._lane.connection, host, port, reuse_address=True
+            )
             if metrics_host is not None:
                 self._metrics_runner = await start_metrics_server(
                     self.metrics, metrics_host, metrics_port
@@ -130,7 +152,7 @@ class Edge:
             raise
         self._runner = runner
         self.host = host
-        self.port = runner.addresses[0][1]
+        self.port = self._listener.sockets[0].getsockname()[1]
         self.state = Lifecycle.SERVING
 
     def reload(self, config: EdgeConfig) -> None:
@@ -159,11 +181,12 @@ class Edge:
         self.state = Lifecycle.DRAINING
         grace = self.runtime.config.options.drain_grace_s if grace_s is None else grace_s
         runner = self._runner
-        if runner is not None:
-            for site in list(runner.sites):
-                await site.stop()
-            if runner.server is not None:
-                runner.server.pre_shutdown()
+        if self._listener is not None:
+            self._listener.close()
+        if self._lane is not None:
+            self._lane.close_idle()
+        if runner is not None and runner.server is not None:
+            runner.server.pre_shutdown()
         if self._tasks:
             log.info("draining: %d requests in progress, up to %g s", len(self._tasks), grace)
             self._idle.clear()
@@ -178,6 +201,8 @@ class Edge:
                 await asyncio.wait(left, timeout=CANCEL_WAIT_S)
         if runner is not None:
             await runner.cleanup()
+        if self._lane is not None:
+            self._lane.abort_all()
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
         await self._ws.close()
@@ -188,8 +213,7 @@ class Edge:
     # --- requests ------------------------------------------------------------------------------
 
     async def _handle(self, request: BaseRequest) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = asyncio.get_running_loop().time()
         target = request.raw_path
         if not target.isascii():
             # aiohttp hands over the raw bytes decoded as UTF-8 with surrogates; the replica
@@ -200,13 +224,20 @@ class Edge:
         if isinstance(decision, Local):
             return self._probe(decision.probe)
         record = AccessRecord(request.method, target.partition("?")[0].partition("#")[0])
+        with self._in_flight(record, started):
+            response = await self._dispatch(request, decision, target, record, started)
+            record.status = response.status
+            return response
+
+    @contextlib.contextmanager
+    def _in_flight(self, record: AccessRecord, started: float) -> Iterator[None]:
+        """Count the current task in flight for its duration (drain waits for it), then
+        account the request and write its access line, however it ended."""
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         try:
-            response = await self._dispatch(request, decision, target, record, started)
-            record.status = response.status
-            return response
+            yield
         except (asyncio.CancelledError, ConnectionError):
             if not record.status:
                 record.outcome = Outcome.CLIENT_GONE
@@ -216,7 +247,61 @@ class Edge:
             if not self._tasks:
                 self._idle.set()
             self._account(record)
-            accesslog.write(record, loop.time() - started)
+            accesslog.write(record, asyncio.get_running_loop().time() - started)
+
+    async def _serve_fast(
+        self, request: FastRequest, decision: Routed, body: bytes, conn: FastConnection
+    ) -> None:
+        """A command from the fast lane: the same gates, placement, metrics and access line as
+        :meth:`_handle` gives it, answered on the connection itself."""
+        started = asyncio.get_running_loop().time()
+        record = AccessRecord("POST", request.target.partition("?")[0].partition("#")[0])
+        record.kind = Kind.COMMAND
+        with self._in_flight(record, started):
+            record.status, record.outcome = await self._command(
+                request, decision, body, conn, record, started
+            )
+
+    async def _command(
+        self,
+        request: FastRequest,
+        decision: Routed,
+        body: bytes,
+        conn: FastConnection,
+        record: AccessRecord,
+        started: float,
+    ) -> tuple[int, Outcome]:
+        runtime = self.runtime
+        options = runtime.config.options
+        if len(self._tasks) > options.max_concurrent_requests:
+            conn.answer(503, "the edge is at its concurrent request limit; retry", retry_after=True)
+            return 503, Outcome.SHED
+        try:
+            _, slice_config = runtime.config.route(decision.session_id)
+        except RoutingError as exc:
+            conn.answer(exc.status, str(exc))
+            return exc.status, Outcome.REJECTED
+        owner = slice_config.replica(slice_config.ring.owner(decision.session_id))
+        host = self.pool.origin(owner.url).host_header
+        data = request_head(
+            "POST", request.target, request.headers, host=host, body_length=len(body)
+        )
+        placed = await self._http.placed(
+            False,
+            Kind.COMMAND,
+            data + body,
+            slice_config,
+            decision.session_id,
+            options,
+            runtime.policy,
+            record.tally,
+            started,
+            owner,
+        )
+        if isinstance(placed, EdgeAnswer):
+            conn.answer(placed.status, placed.text, retry_after=placed.retry_after)
+            return placed.status, placed.outcome
+        return await fast_relay(conn, placed, options, record)
 
     def _probe(self, probe: Probe) -> web.Response:
         if probe is Probe.LIVEZ:

@@ -297,7 +297,8 @@ class WebSocketProxy:
                 slice_config, session_id, policy, attempt, tally, started=started
             )
         except PlacementFailed as exc:
-            return placement_failed(exc, slice_config, policy, Kind.WEBSOCKET, self.metrics)
+            failed = placement_failed(exc, slice_config, policy, Kind.WEBSOCKET, self.metrics)
+            return failed.response(), failed.outcome
         except UpstreamTimeout as exc:
             log.warning("%s", exc)
             return answer(504, f"replica {tally.replica} did not answer in time"), Outcome.TIMED_OUT

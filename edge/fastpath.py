@@ -1,0 +1,417 @@
+"""The edge's fast lane: small POST commands served straight off the socket.
+
+Commands (``POST /_beyond/agent?session_id=...`` with a JSON body) are most of what an edge
+carries, and each is small. aiohttp's server spends more per request than the proxying itself
+(request and response objects, a task, header re-encoding), so every client connection starts
+on :class:`FastConnection`, which reads requests itself and serves the ones it can prove are
+plain commands:
+
+- ``POST <path> HTTP/1.1`` with a printable-ASCII request-target, classified (by the same
+  :func:`edge.classify.classify` as everything else) as a command;
+- every header line in canonical form (a token, a colon, optional spaces, a printable-ASCII
+  value with no trailing space): the form on which every HTTP parser agrees byte for byte, so
+  the edge cannot read a request differently from the replica;
+- exactly one ``Content-Length`` within the body limit, and no ``Transfer-Encoding``,
+  ``Expect`` or ``Upgrade``.
+
+Anything else (a WebSocket upgrade, an event stream, a callback, a refused or odd request, a
+head over the limit) hands the connection, with every byte read so far, to aiohttp's request
+handler for the rest of its life, where the full rules apply. A hand-over happens only between
+requests, so nothing is ever answered twice or out of order.
+
+A served command is placed exactly as the aiohttp path places it (``HttpProxy.placed``); the
+answer goes out in one write when it is complete (the usual case), else it is streamed with
+backpressure. Keep-alive, ``Connection: close``, pipelining (one request at a time, in order),
+client disconnects (they cancel the request, placement included) and draining all behave as on
+the aiohttp path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Final, cast
+
+from edge.accesslog import AccessRecord
+from edge.classify import Kind, Routed, classify
+from edge.config import EdgeOptions
+from edge.errors import UpstreamError
+from edge.headers import RawHeaders, declared_length, response_fields
+from edge.metrics import Outcome
+from edge.proxy import EdgeAnswer, whole_body
+from edge.upstream import UpstreamResponse
+
+log = logging.getLogger("edge.fastpath")
+
+# Same as aiohttp's keep-alive timeout, so both lanes treat idle clients alike.
+KEEPALIVE_S: Final = 75.0
+
+_METHOD: Final = b"POST "
+_REQUEST_LINE: Final = re.compile(rb"POST (/[\x21-\x7e]*) HTTP/1\.1")
+_HEADER_LINE: Final = re.compile(
+    rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*((?:[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?)?)"
+)
+# Requests carrying these take the full path (body framing and handshakes are its business).
+_NOT_FAST: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+_NO_BODY_STATUS: Final = frozenset({204, 304})
+_REASONS: Final = {s.value: s.phrase.encode("ascii") for s in HTTPStatus}
+
+
+@dataclass(frozen=True, slots=True)
+class FastRequest:
+    """A command the fast lane may serve: its raw target, header pairs and body length."""
+
+    target: str
+    headers: list[tuple[bytes, bytes]]
+    length: int
+    close: bool  # the client sent Connection: close
+
+
+def parse_head(head: bytes) -> FastRequest | None:
+    """The request line and header block (without the blank line) of a plain command, or None
+    when anything about it is not in the canonical form the fast lane serves."""
+    lines = head.split(b"\r\n")
+    line = _REQUEST_LINE.fullmatch(lines[0])
+    if line is None:
+        return None
+    headers: list[tuple[bytes, bytes]] = []
+    length: int | None = None
+    close = False
+    for raw in lines[1:]:
+        field = _HEADER_LINE.fullmatch(raw)
+        if field is None:
+            return None
+        name, value = field.group(1), field.group(2)
+        lower = name.lower()
+        if lower == b"content-length":
+            if length is not None or not value.isdigit() or len(value) > 15:
+                return None
+            length = int(value)
+        elif lower in _NOT_FAST:
+            return None
+        elif lower == b"connection":
+            tokens = {t.strip().lower() for t in value.split(b",")}
+            if b"upgrade" in tokens:
+                return None
+            close = close or b"close" in tokens
+        headers.append((name, value))
+    if length is None:
+        return None
+    return FastRequest(line.group(1).decode("ascii"), headers, length, close)
+
+
+def response_head(
+    status: int,
+    headers: RawHeaders,
+    *,
+    length: int | None,
+    chunked: bool = False,
+    close: bool = False,
+) -> bytes:
+    """A status line and header block for the client: the replica's fields minus hop-by-hop
+    ones and its framing, then the edge's own framing."""
+    reason = _REASONS.get(status, b"")
+    parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason), response_fields(headers)]
+    if length is not None:
+        parts.append(b"Content-Length: %d\r\n" % length)
+    elif chunked:
+        parts.append(b"Transfer-Encoding: chunked\r\n")
+    if close:
+        parts.append(b"Connection: close\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def edge_answer(status: int, text: str, *, retry_after: bool = False, close: bool = False) -> bytes:
+    """A whole response made by the edge itself (plain text, never quoting the request)."""
+    body = (text + "\n").encode("utf-8")
+    fields = [(b"Content-Type", b"text/plain; charset=utf-8")]
+    if retry_after:
+        fields.append((b"Retry-After", b"1"))
+    return response_head(status, fields, length=len(body), close=close) + body
+
+
+Serve = Callable[[FastRequest, Routed, bytes, "FastConnection"], Awaitable[None]]
+
+
+class FastLane:
+    """What every fast connection shares: how to serve a command, where to hand a connection
+    over, the current limits, and the set of open connections (for draining)."""
+
+    def __init__(
+        self,
+        serve: Serve,
+        fallback: Callable[[], asyncio.Protocol],
+        options: Callable[[], EdgeOptions],
+    ) -> None:
+        self.serve = serve
+        self.fallback = fallback
+        self.options = options
+        self.connections: set[FastConnection] = set()
+        self.closing = False
+        self.handed_over = 0  # connections given to aiohttp, for tests and debugging
+
+    def connection(self) -> FastConnection:
+        return FastConnection(self)
+
+    def close_idle(self) -> None:
+        """Draining: idle connections close now, busy ones after their current answer."""
+        self.closing = True
+        for conn in list(self.connections):
+            if conn.task is None:
+                conn.close()
+
+    def abort_all(self) -> None:
+        for conn in list(self.connections):
+            conn.abort()
+
+
+class FastConnection(asyncio.Protocol):
+    """One client connection while it is on the fast lane."""
+
+    def __init__(self, lane: FastLane) -> None:
+        self.lane = lane
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.task: asyncio.Task[None] | None = None
+        self.closing = False  # close once the current answer is out
+        self._reading = True
+        self._writable: asyncio.Event | None = None  # set while writes may go on
+        self._idle: asyncio.TimerHandle | None = None
+
+    # --- asyncio.Protocol ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.lane.connections.add(self)
+        if self.lane.closing:
+            self.close()
+            return
+        self._arm_idle()
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if self.task is None:
+            self._next()
+        elif len(self.buffer) > self.lane.options().max_header_bytes and self._reading:
+            # A pipelining client is far ahead of its answers: stop reading until we catch up.
+            assert self.transport is not None
+            self.transport.pause_reading()
+            self._reading = False
+
+    def eof_received(self) -> bool:
+        # As aiohttp does: a client that half-closes has gone away, and its request with it.
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lane.connections.discard(self)
+        self._disarm_idle()
+        if self.task is not None:
+            self.task.cancel()
+        if self._writable is not None:
+            self._writable.set()
+        self.transport = None
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = asyncio.Event()
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None:
+            self._writable.set()
+
+    # --- writing, for the serving code --------------------------------------------------------
+
+    @property
+    def must_close(self) -> bool:
+        return self.closing or self.lane.closing
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+
+    async def drain(self) -> None:
+        writable = self._writable
+        if writable is not None and not writable.is_set():
+            await writable.wait()
+        if self.transport is None:
+            raise ConnectionResetError("the client went away")
+
+    def answer(self, status: int, text: str, *, retry_after: bool = False) -> None:
+        self.write(edge_answer(status, text, retry_after=retry_after, close=self.must_close))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    # --- reading requests ----------------------------------------------------------------
+
+    def _next(self) -> None:
+        """Serve the next complete request in the buffer, hand the connection over, or wait."""
+        buffer = self.buffer
+        if not buffer:
+            return
+        self._disarm_idle()
+        if not buffer.startswith(_METHOD):
+            if len(buffer) >= len(_METHOD) or not _METHOD.startswith(buffer):
+                self._hand_over()
+            return
+        options = self.lane.options()
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buffer) > options.max_header_bytes or b"\n\n" in buffer:
+                self._hand_over()
+            return
+        request = parse_head(bytes(buffer[:end]))
+        if request is None or request.length > options.max_request_body_bytes:
+            self._hand_over()
+            return
+        decision = classify("POST", request.target, request.headers)
+        if not isinstance(decision, Routed) or decision.kind is not Kind.COMMAND:
+            self._hand_over()
+            return
+        need = end + 4 + request.length
+        if len(buffer) < need:
+            return
+        body = bytes(buffer[end + 4 : need])
+        del buffer[:need]
+        if request.close:
+            self.closing = True
+        self.task = asyncio.get_running_loop().create_task(self._run(request, decision, body))
+
+    async def _run(self, request: FastRequest, decision: Routed, body: bytes) -> None:
+        try:
+            await self.lane.serve(request, decision, body, self)
+        except (asyncio.CancelledError, ConnectionError):
+            # The client went away, or a drain ran out of grace: either way, no answer follows.
+            self.abort()
+            return
+        except Exception:
+            log.exception("a command on the fast lane failed")
+            self.abort()
+            return
+        finally:
+            self.task = None
+        if self.transport is None:
+            return
+        if self.must_close:
+            self.close()
+            return
+        if not self._reading:
+            self.transport.resume_reading()
+            self._reading = True
+        if self.buffer:
+            self._next()
+        else:
+            self._arm_idle()
+
+    def _hand_over(self) -> None:
+        """Give this connection, and every byte read so far, to aiohttp for good."""
+        transport = self.transport
+        if transport is None:
+            return
+        self.lane.connections.discard(self)
+        self.lane.handed_over += 1
+        self._disarm_idle()
+        protocol = self.lane.fallback()
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        if not self._reading:
+            transport.resume_reading()
+        data = bytes(self.buffer)
+        self.buffer.clear()
+        self.transport = None
+        if data:
+            protocol.data_received(data)
+
+    def _arm_idle(self) -> None:
+        self._disarm_idle()
+        self._idle = asyncio.get_running_loop().call_later(KEEPALIVE_S, self._idle_out)
+
+    def _disarm_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    def _idle_out(self) -> None:
+        self._idle = None
+        if self.task is None:
+            self.close()
+
+
+async def relay(
+    conn: FastConnection,
+    response: UpstreamResponse,
+    options: EdgeOptions,
+    record: AccessRecord,
+) -> tuple[int, Outcome]:
+    """Pass a placed answer on: in one write when it is (or soon is) complete, else streamed
+    (``record`` learns the status as soon as the client has it). Returns the status the client
+    saw and how the answer ended."""
+    try:
+        body = await whole_body(response, options)
+        if isinstance(body, EdgeAnswer):
+            conn.answer(body.status, body.text)
+            return body.status, body.outcome
+        status = response.status
+        if body is not None:
+            head = response_head(status, response.headers, length=len(body), close=conn.must_close)
+            conn.write(head + body)
+            return status, Outcome.DELIVERED
+        return status, await _stream(conn, response, options.upstream_header_timeout_s, record)
+    finally:
+        response.release()
+
+
+async def _stream(
+    conn: FastConnection, response: UpstreamResponse, idle_s: float, record: AccessRecord
+) -> Outcome:
+    status = response.status
+    length = declared_length(response.headers)
+    bodiless = status in _NO_BODY_STATUS
+    chunked = length is None and not bodiless
+    conn.write(
+        response_head(
+            status,
+            response.headers,
+            length=length,
+            chunked=chunked,
+            close=conn.must_close,
+        )
+    )
+    record.answered(status)
+    try:
+        while True:
+            async with asyncio.timeout(idle_s):
+                chunk = await response.read()
+            if not chunk:
+                break
+            conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+            await conn.drain()
+    except TimeoutError:
+        log.warning("a replica's answer was silent for %g s; closing it", idle_s)
+        conn.abort()
+        return Outcome.TIMED_OUT
+    except UpstreamError as exc:
+        log.warning("%s", exc)
+        conn.abort()  # ending it normally would tell the client the body is whole
+        return Outcome.UPSTREAM_ERROR
+    if chunked:
+        conn.write(b"0\r\n\r\n")
+    return Outcome.DELIVERED
