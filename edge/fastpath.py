@@ -267,7 +267,9 @@ class FastConnection(asyncio.Protocol):
         buffer = self.buffer
         if not buffer:
             return
-        self._disarm_idle()
+        # Waiting for the rest of a request counts as idle: a client that stops sending
+        # mid-request is closed after the keep-alive time, as between requests.
+        self._arm_idle()
         if not buffer.startswith(_METHOD):
             if len(buffer) >= len(_METHOD) or not _METHOD.startswith(buffer):
                 self._hand_over()
@@ -291,6 +293,7 @@ class FastConnection(asyncio.Protocol):
             return
         body = bytes(buffer[end + 4 : need])
         del buffer[:need]
+        self._disarm_idle()
         if request.close:
             self.closing = True
         self.task = asyncio.get_running_loop().create_task(self._run(request, decision, body))

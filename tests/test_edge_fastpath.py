@@ -254,3 +254,21 @@ async def test_draining_closes_idle_fast_connections_and_finishes_busy_ones() ->
         assert (status, body) == (200, b"late")
         assert fields[b"connection"] == b"close"
         await asyncio.wait_for(drained, 5)
+
+
+@pytest.mark.anyio
+async def test_a_client_silent_mid_request_or_between_requests_is_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("edge.fastpath.KEEPALIVE_S", 0.2)
+    async with (
+        fleet(FakeReplica("r1", ok(b"r1"))) as edge,
+        connected(edge.url) as (stalled_r, stalled_w),
+        connected(edge.url) as (idle_r, idle_w),
+    ):
+        stalled_w.write(command()[:30])  # half a request line, then nothing
+        idle_w.write(command())
+        assert (await read_response(idle_r))[2] == b"r1"
+        assert await asyncio.wait_for(stalled_r.read(), 3) == b""
+        assert await asyncio.wait_for(idle_r.read(), 3) == b""
+        assert edge.fast_lane_handovers == 0
