@@ -128,9 +128,24 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _results_arg(matrix)
     matrix.set_defaults(handler=_matrix)
 
-    soak_parser = subparsers.add_parser("soak", help="a long run with deploys, kills, partitions")
-    soak_parser.add_argument("--duration", type=_positive, default=300.0, metavar="S")
-    soak_parser.add_argument("--sessions", type=_sessions, default=20, metavar="N")
+    soak_parser = subparsers.add_parser(
+        "soak",
+        help="a long run with deploys, kills, partitions",
+        description="Many sessions prompting through the edge for --duration seconds while "
+        "faults are injected on random replicas: rolling deploys, kill -9 and (on leasefs) "
+        "storage partitions, dealt in proportion 2:1:1. Graded like any scenario, with "
+        "turns, faults and takeover times per fault kind in results/<run>/.",
+    )
+    soak_parser.add_argument(
+        "--duration", type=_positive, default=300.0, metavar="S", help="seconds of workload"
+    )
+    soak_parser.add_argument(
+        "--sessions",
+        type=_sessions,
+        default=20,
+        metavar="N",
+        help="sessions, half on each slice, each with one client prompting back to back",
+    )
     soak_parser.add_argument(
         "--fault-every",
         type=_positive,
