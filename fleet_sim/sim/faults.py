@@ -114,8 +114,7 @@ class CommandFaults:
     def restore(self) -> list[str]:
         """Make the fleet whole again between scenarios (an attached fleet outlives each one):
         a replica that does not answer ready is healed and resumed, or started again if it is
-        gone.
-        Returns the replicas it had to restart."""
+        gone. Returns the replicas it had to start again."""
         restarted = []
         for replica in self.urls:
             if self._ready(replica):

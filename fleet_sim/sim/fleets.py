@@ -76,23 +76,23 @@ class AttachedFleet:
             self._keys_dir = Path(state["keys_dir"])
             replicas = state["replicas"]
             shards = state["shards"]
-        except (KeyError, TypeError) as exc:
+            if not isinstance(replicas, list) or not replicas or not isinstance(shards, dict):
+                raise TypeError("needs a list of replicas and a map of shards")
+            self._replicas: dict[str, tuple[str, ReplicaView]] = {}
+            for entry in replicas:
+                name = str(entry["name"])
+                metrics = entry.get("metrics_url")
+                self._replicas[name] = (
+                    str(entry["slice"]),
+                    AttachedReplica(name, str(entry["url"]), str(metrics) if metrics else None),
+                )
+            self.shards = {str(k): Path(v) for k, v in shards.items()}
+            self.lease_s = float(state.get("lease_s") or 0.0)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise AttachedError(f"{state_file}: not an attached fleet's state ({exc})") from None
-        if not isinstance(replicas, list) or not replicas or not isinstance(shards, dict):
-            raise AttachedError(f"{state_file}: needs a list of replicas and a map of shards")
-        self._replicas: dict[str, tuple[str, ReplicaView]] = {}
-        for entry in replicas:
-            name = str(entry["name"])
-            metrics = entry.get("metrics_url")
-            self._replicas[name] = (
-                str(entry["slice"]),
-                AttachedReplica(name, str(entry["url"]), str(metrics) if metrics else None),
-            )
-        self.shards = {str(k): Path(v) for k, v in shards.items()}
         metrics = state.get("edge_metrics_url")
         self._edge_metrics_url = str(metrics) if metrics else None
         self._retry_budget_s = _edge_budget(state.get("edge_config"))
-        self.lease_s = float(state.get("lease_s") or 0.0)
         self._keys: KeySet | None = None
 
     @classmethod

@@ -198,7 +198,7 @@ def run_scenario(
         "started": started,
         "claims": [],
     }
-    substrate: Substrate = LocalDir(root)
+    substrate: Substrate | None = None
     fleet: FleetView | None = None
     journal = Journal(root / "journal.jsonl")
     faults: Faults | None = None
@@ -250,7 +250,8 @@ def run_scenario(
         if isinstance(faults, CommandFaults):
             with contextlib.suppress(Exception):
                 result["restarted_after"] = faults.restore()
-        substrate.close()
+        if substrate is not None:
+            substrate.close()
     result["seconds"] = round(time.time() - started, 2)
     (out_dir / f"{item.name}.{substrate_name}.json").write_text(json.dumps(result, indent=2))
     return result
