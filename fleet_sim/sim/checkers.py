@@ -166,3 +166,37 @@ def takeover_times(ops: Sequence[Op], fault_at: float, sessions: Iterable[str]) 
         if after:
             times.append(after[0].ended - fault_at)
     return times
+
+
+def paused_owner_stalls_only_its_own(
+    ops: Sequence[Op], paused_at: float, resumed_at: float, held: Iterable[str]
+) -> ClaimResult:
+    """While an owner is stopped, sessions it does not hold are still served: every operation on
+    them begun in the first half of the pause ended ok before the pause did. The sessions it
+    holds wait: what they had in flight at the resume ends ok after it."""
+    own = set(held)
+    half = paused_at + (resumed_at - paused_at) / 2
+    prompts = [op for op in ops if op.op == "prompt"]
+    others = [op for op in prompts if op.session_id not in own and paused_at <= op.started <= half]
+    errors = [
+        f"{op.session_id}: a turn begun {op.started - paused_at:.1f}s into the pause "
+        + (f"ended {op.outcome} ({op.detail})" if op.outcome != "ok" else "waited for the resume")
+        for op in others
+        if op.outcome != "ok" or op.ended > resumed_at
+    ]
+    if not others:
+        errors.append("no session of another replica was exercised during the pause")
+    waited = [op for op in prompts if op.session_id in own and op.started < resumed_at < op.ended]
+    errors += [
+        f"{op.session_id}: a turn held over the pause ended {op.outcome} ({op.detail})"
+        for op in waited
+        if op.outcome != "ok"
+    ]
+    figures = {
+        "paused_s": round(resumed_at - paused_at, 2),
+        "other_turns_during_pause": len(others),
+        "other_turn_max_s": round(max((op.seconds for op in others), default=0.0), 3),
+        "own_turns_held_over": len(waited),
+        "own_turn_max_s": round(max((op.seconds for op in waited), default=0.0), 3),
+    }
+    return verdict("paused-owner-stalls-only-its-own", errors, figures)

@@ -25,6 +25,9 @@ from fleet_sim.sim.workload import Session, drive, prompt_ws
 from fleet_sim.up import SLICES
 from replica.names import parse_session_id
 
+# Long enough to see every other session served meanwhile, far below the edge's header timeout.
+PAUSE_S = 4.0
+
 STANDARD = (
     "no-acknowledged-turn-lost-or-duplicated",
     "one-writer-per-epoch",
@@ -116,6 +119,33 @@ def takeover_after_hard_kill(ctx: Context) -> list[ClaimResult]:
         *ctx.standard_claims(sessions),
         verdict("survivor-takes-over-inside-budget", errors, figures),
     ]
+
+
+@scenario(
+    "paused-owner-stalls-only-its-own", claims=(*STANDARD, "paused-owner-stalls-only-its-own")
+)
+def paused_owner(ctx: Context) -> list[ClaimResult]:
+    """An owner is stopped (SIGSTOP) for a few seconds under load, then continued (SIGCONT):
+    the sessions it holds wait for it and go on, every other session keeps being served, and
+    nothing is lost or told twice."""
+    sessions = ctx.sessions(6 if ctx.quick else 10)
+    victim = ctx.owner(sessions[0].session_id)
+    held = {s.session_id for s in sessions if ctx.owner(s.session_id) == victim}
+    marks: dict[str, float] = {}
+
+    def pause() -> None:
+        ctx.faults.pause(victim)
+        marks["paused"] = time.time()
+        time.sleep(PAUSE_S)
+        marks["resumed"] = time.time()
+        ctx.faults.resume(victim)
+
+    _run_workload_with(ctx, sessions, 12 if ctx.quick else 20, pause, at=0.25)
+    stalled = checkers.paused_owner_stalls_only_its_own(
+        ctx.ops(), marks["paused"], marks["resumed"], held
+    )
+    ctx.notes["paused"] = {"victim": victim, "sessions_it_held": len(held)}
+    return [*ctx.standard_claims(sessions), stalled]
 
 
 @scenario(
