@@ -42,7 +42,7 @@ from edge.accesslog import AccessRecord
 from edge.classify import Kind, Routed, classify
 from edge.config import EdgeOptions
 from edge.errors import UpstreamError
-from edge.headers import RawHeaders, declared_length, response_fields
+from edge.headers import HOP_BY_HOP, RawHeaders, declared_length, response_fields
 from edge.metrics import Outcome
 from edge.proxy import EdgeAnswer, whole_body
 from edge.upstream import UpstreamResponse
@@ -59,18 +59,36 @@ _HEADER_LINE: Final = re.compile(
 )
 # Requests carrying these take the full path (body framing and handshakes are its business).
 _NOT_FAST: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+_CONNECTION_OPTIONS: Final = frozenset({b"close", b"keep-alive"})
+# What request_head drops from a re-framed request (hop-by-hop fields and the old framing).
+_NOT_FORWARDED: Final = HOP_BY_HOP | {b"content-length", b"expect"}
 _NO_BODY_STATUS: Final = frozenset({204, 304})
 _REASONS: Final = {s.value: s.phrase.encode("ascii") for s in HTTPStatus}
 
 
 @dataclass(frozen=True, slots=True)
 class FastRequest:
-    """A command the fast lane may serve: its raw target, header pairs and body length."""
+    """A command the fast lane may serve: its raw target, header pairs and body length, and
+    the header lines to send on (built once, while parsing)."""
 
     target: str
     headers: list[tuple[bytes, bytes]]
     length: int
     close: bool  # the client sent Connection: close
+    forward: bytes  # the fields a replica gets, as header lines (what request_head keeps)
+    has_host: bool
+
+    def upstream(self, body: bytes, host: bytes | None) -> bytes:
+        """The request for a replica, byte for byte what ``edge.headers.request_head`` makes
+        of it plus the body; ``host`` is used only when the client sent no ``Host``."""
+        host_line = b"" if self.has_host or host is None else b"Host: " + host + b"\r\n"
+        return b"POST %b HTTP/1.1\r\n%b%bContent-Length: %d\r\n\r\n%b" % (
+            self.target.encode("ascii"),
+            self.forward,
+            host_line,
+            len(body),
+            body,
+        )
 
 
 def parse_head(head: bytes) -> FastRequest | None:
@@ -81,8 +99,9 @@ def parse_head(head: bytes) -> FastRequest | None:
     if line is None:
         return None
     headers: list[tuple[bytes, bytes]] = []
+    forward: list[bytes] = []
     length: int | None = None
-    close = False
+    close = has_host = False
     for raw in lines[1:]:
         field = _HEADER_LINE.fullmatch(raw)
         if field is None:
@@ -96,14 +115,19 @@ def parse_head(head: bytes) -> FastRequest | None:
         elif lower in _NOT_FAST:
             return None
         elif lower == b"connection":
-            tokens = {t.strip().lower() for t in value.split(b",")}
-            if b"upgrade" in tokens:
-                return None
+            tokens = {t.strip().lower() for t in value.split(b",")} - {b""}
+            if not tokens <= _CONNECTION_OPTIONS:
+                return None  # an upgrade, or fields named hop-by-hop: the full path's business
             close = close or b"close" in tokens
+        elif lower == b"host":
+            has_host = True
         headers.append((name, value))
+        if lower not in _NOT_FORWARDED:
+            forward.append(name + b": " + value + b"\r\n")
     if length is None:
         return None
-    return FastRequest(line.group(1).decode("ascii"), headers, length, close)
+    target = line.group(1).decode("ascii")
+    return FastRequest(target, headers, length, close, b"".join(forward), has_host)
 
 
 def response_head(
@@ -156,9 +180,26 @@ class FastLane:
         self.connections: set[FastConnection] = set()
         self.closing = False
         self.handed_over = 0  # connections given to aiohttp, for tests and debugging
+        self._sweeper: asyncio.TimerHandle | None = None
 
     def connection(self) -> FastConnection:
         return FastConnection(self)
+
+    def add(self, conn: FastConnection, loop: asyncio.AbstractEventLoop) -> None:
+        self.connections.add(conn)
+        if self._sweeper is None:
+            self._sweeper = loop.call_later(_sweep_every(), self._sweep, loop)
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close connections idle past the keep-alive time. One timer for the whole lane,
+        rather than one re-armed per request on every connection."""
+        self._sweeper = None
+        limit = loop.time() - KEEPALIVE_S
+        for conn in list(self.connections):
+            if conn.task is None and conn.active_at < limit:
+                conn.close()
+        if self.connections:
+            self._sweeper = loop.call_later(_sweep_every(), self._sweep, loop)
 
     def close_idle(self) -> None:
         """Draining: idle connections close now, busy ones after their current answer."""
@@ -170,6 +211,13 @@ class FastLane:
     def abort_all(self) -> None:
         for conn in list(self.connections):
             conn.abort()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+
+def _sweep_every() -> float:
+    return min(5.0, KEEPALIVE_S / 4)
 
 
 class FastConnection(asyncio.Protocol):
@@ -181,9 +229,10 @@ class FastConnection(asyncio.Protocol):
         self.buffer = bytearray()
         self.task: asyncio.Task[None] | None = None
         self.closing = False  # close once the current answer is out
+        self.active_at = 0.0  # the loop's time of the last byte read or answer written
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._reading = True
         self._writable: asyncio.Event | None = None  # set while writes may go on
-        self._idle: asyncio.TimerHandle | None = None
 
     # --- asyncio.Protocol ----------------------------------------------------------------
 
@@ -194,14 +243,16 @@ class FastConnection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.lane.connections.add(self)
+        loop = self._loop = asyncio.get_running_loop()
+        self.active_at = loop.time()
+        self.lane.add(self, loop)
         if self.lane.closing:
             self.close()
-            return
-        self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
+        assert self._loop is not None
+        self.active_at = self._loop.time()
         if self.task is None:
             self._next()
         elif len(self.buffer) > self.lane.options().max_header_bytes and self._reading:
@@ -216,7 +267,6 @@ class FastConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lane.connections.discard(self)
-        self._disarm_idle()
         if self.task is not None:
             self.task.cancel()
         if self._writable is not None:
@@ -267,9 +317,8 @@ class FastConnection(asyncio.Protocol):
         buffer = self.buffer
         if not buffer:
             return
-        # Waiting for the rest of a request counts as idle: a client that stops sending
-        # mid-request is closed after the keep-alive time, as between requests.
-        self._arm_idle()
+        # Waiting for the rest of a request counts as idle (see FastLane._sweep): a client that
+        # stops sending mid-request is closed after the keep-alive time, as between requests.
         if not buffer.startswith(_METHOD):
             if len(buffer) >= len(_METHOD) or not _METHOD.startswith(buffer):
                 self._hand_over()
@@ -293,7 +342,6 @@ class FastConnection(asyncio.Protocol):
             return
         body = bytes(buffer[end + 4 : need])
         del buffer[:need]
-        self._disarm_idle()
         if request.close:
             self.closing = True
         self.task = asyncio.get_running_loop().create_task(self._run(request, decision, body))
@@ -319,10 +367,10 @@ class FastConnection(asyncio.Protocol):
         if not self._reading:
             self.transport.resume_reading()
             self._reading = True
+        assert self._loop is not None
+        self.active_at = self._loop.time()
         if self.buffer:
             self._next()
-        else:
-            self._arm_idle()
 
     def _hand_over(self) -> None:
         """Give this connection, and every byte read so far, to aiohttp for good."""
@@ -331,7 +379,6 @@ class FastConnection(asyncio.Protocol):
             return
         self.lane.connections.discard(self)
         self.lane.handed_over += 1
-        self._disarm_idle()
         protocol = self.lane.fallback()
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
@@ -342,20 +389,6 @@ class FastConnection(asyncio.Protocol):
         self.transport = None
         if data:
             protocol.data_received(data)
-
-    def _arm_idle(self) -> None:
-        self._disarm_idle()
-        self._idle = asyncio.get_running_loop().call_later(KEEPALIVE_S, self._idle_out)
-
-    def _disarm_idle(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
-
-    def _idle_out(self) -> None:
-        self._idle = None
-        if self.task is None:
-            self.close()
 
 
 async def relay(

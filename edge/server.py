@@ -33,7 +33,7 @@ import enum
 import logging
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -44,11 +44,10 @@ from edge import accesslog
 from edge.accesslog import AccessRecord, install_redaction
 from edge.callbacks import CallbackLimits, forward_callback
 from edge.classify import Kind, Local, Probe, Refused, Routed, classify
-from edge.config import EdgeConfig, load_config
+from edge.config import EdgeConfig, ReplicaConfig, SliceConfig, load_config
 from edge.errors import ConfigError, RoutingError
 from edge.fastpath import FastConnection, FastLane, FastRequest
 from edge.fastpath import relay as fast_relay
-from edge.headers import request_head
 from edge.metrics import EdgeMetrics, Outcome, start_metrics_server
 from edge.proxy import EdgeAnswer, HttpProxy, answer
 from edge.retry import RetryPolicy
@@ -68,6 +67,18 @@ class Lifecycle(enum.Enum):
     STOPPED = enum.auto()
 
 
+# Session ids whose route (slice, owner, Host) the fast lane remembers per configuration.
+ROUTE_CACHE_SIZE: Final = 65_536
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a session id goes under one configuration: its slice and its ring owner."""
+
+    slice_config: SliceConfig
+    owner: ReplicaConfig
+
+
 @dataclass(frozen=True, slots=True)
 class Runtime:
     """A loaded config plus what the hot path derives from it, built once per (re)load."""
@@ -75,11 +86,25 @@ class Runtime:
     config: EdgeConfig
     policy: RetryPolicy
     callback_policy: RetryPolicy
+    # Filled as ids are routed; a reload builds a new Runtime, so it never outlives its ring.
+    routes: dict[str, Route] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, config: EdgeConfig) -> Runtime:
         options = config.options
         return cls(config, options.retry_policy(), options.callback_policy())
+
+    def route(self, session_id: str) -> Route:
+        """The id's slice and owner (raises the routing errors of ``EdgeConfig.route``)."""
+        found = self.routes.get(session_id)
+        if found is None:
+            _, slice_config = self.config.route(session_id)
+            owner = slice_config.replica(slice_config.ring.owner(session_id))
+            found = Route(slice_config, owner)
+            if len(self.routes) >= ROUTE_CACHE_SIZE:
+                self.routes.clear()
+            self.routes[session_id] = found
+        return found
 
 
 class Edge:
@@ -277,19 +302,16 @@ class Edge:
             conn.answer(503, "the edge is at its concurrent request limit; retry", retry_after=True)
             return 503, Outcome.SHED
         try:
-            _, slice_config = runtime.config.route(decision.session_id)
+            route = runtime.route(decision.session_id)
         except RoutingError as exc:
             conn.answer(exc.status, str(exc))
             return exc.status, Outcome.REJECTED
-        owner = slice_config.replica(slice_config.ring.owner(decision.session_id))
-        host = self.pool.origin(owner.url).host_header
-        data = request_head(
-            "POST", request.target, request.headers, host=host, body_length=len(body)
-        )
+        slice_config, owner = route.slice_config, route.owner
+        host = None if request.has_host else self.pool.origin(owner.url).host_header
         placed = await self._http.placed(
             False,
             Kind.COMMAND,
-            data + body,
+            request.upstream(body, host),
             slice_config,
             decision.session_id,
             options,

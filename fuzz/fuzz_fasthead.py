@@ -5,7 +5,8 @@ it returns a request or declines (None, and the connection goes to aiohttp's ful
 it accepts must be read identically by httptools (llhttp, what uvicorn runs in the replica):
 the same method, request-target and header pairs byte for byte, the same ``Content-Length``,
 no upgrade and no chunked body. A head the fast lane reads differently from the replica would
-let the edge route or frame a request by values the replica never sees.
+let the edge route or frame a request by values the replica never sees. And the request the
+fast lane sends on must be byte for byte what the full path (``request_head``) would send.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if __name__ == "__main__":
 import httptools
 
 from edge.fastpath import parse_head
+from edge.headers import request_head
 from fuzz.common import Harness, main
 from fuzz.known import Mismatch
 
@@ -69,6 +71,15 @@ def check(data: bytes) -> None:
         raise Mismatch("headers", f"edge {request.headers!r}, replica {reader.headers!r}")
     if not reader.complete or reader.body != body:
         raise Mismatch("framing", f"the replica frames {data!r} differently")
+    # What the fast lane sends on is what the full path would have sent.
+    for host in (None, b"replica:9101"):
+        expected = request_head(
+            "POST", request.target, request.headers, host=host or b"", body_length=len(body)
+        )
+        if host is None and not request.has_host:
+            continue  # the fast lane always has the replica's Host to offer
+        if request.upstream(body, host) != expected + body:
+            raise Mismatch("forwarded", f"fast lane and request_head differ for {data!r}")
 
 
 HARNESS = Harness(

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edge.fastpath import parse_head, response_head
+from edge.headers import request_head
 from tests.edge_fakes import FakeReplica, fleet, ok, requests
 
 SID = "a07-s1.fast"
@@ -41,6 +42,33 @@ def test_a_plain_command_head_is_taken_with_its_fields_as_sent() -> None:
     ]
 
 
+def test_what_is_sent_on_is_what_the_full_path_sends() -> None:
+    lines = (
+        b"Content-Length: 2",
+        b"Connection: keep-alive",
+        b"Keep-Alive: timeout=5",
+        b"TE: trailers",
+        b"x-beyond-grant: g",
+        b"Accept:*/*",
+    )
+    parsed = parse_head(head(*lines))
+    assert parsed is not None and not parsed.has_host
+    sent = parsed.upstream(b"{}", b"10.0.0.11:9101")
+    expected = request_head(
+        "POST", parsed.target, parsed.headers, host=b"10.0.0.11:9101", body_length=2
+    )
+    assert sent == expected + b"{}"
+    assert sent == (
+        b"POST " + TARGET + b" HTTP/1.1\r\nx-beyond-grant: g\r\nAccept: */*\r\n"
+        b"Host: 10.0.0.11:9101\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    with_host = parse_head(head(b"Host: edge", b"Content-Length: 0"))
+    assert with_host is not None and with_host.has_host
+    assert with_host.upstream(b"", None) == request_head(
+        "POST", with_host.target, with_host.headers, host=b"unused", body_length=0
+    )
+
+
 def test_connection_close_is_noticed() -> None:
     parsed = parse_head(head(b"Content-Length: 0", b"Connection: keep-alive, Close"))
     assert parsed is not None and parsed.close
@@ -56,6 +84,7 @@ def test_connection_close_is_noticed() -> None:
         (b"Content-Length: 2", b"Expect: 100-continue"),
         (b"Content-Length: 2", b"Upgrade: websocket"),
         (b"Content-Length: 2", b"Connection: Upgrade"),
+        (b"Content-Length: 2", b"Connection: close, X-Hop"),  # names a field hop-by-hop
         (b"Content-Length: 2", b"X-Trailing: space "),
         (b"Content-Length: 2", b"X-Tab: a\tb"),
         (b"Content-Length: 2", b"X-Folded: a", b" b"),  # obs-fold
