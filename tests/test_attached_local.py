@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from fleet_sim.up import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "deploy" / "attached-local"
@@ -36,13 +37,6 @@ def _cannot_run() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def attached() -> Iterator[dict[str, str]]:
     reason = _cannot_run()
@@ -57,7 +51,7 @@ def attached() -> Iterator[dict[str, str]]:
         "ATTACHED_ROOT": str(root),
         "ATTACHED_STORAGE": "bind",
         "ATTACHED_NET": NET,
-        "ATTACHED_EDGE_PORT": str(_free_port()),
+        "ATTACHED_EDGE_PORT": str(free_port()),
         "ATTACHED_DRAIN_GRACE_S": "5",
         "ATTACHED_FLEET_BIN": str(Path(sys.executable).parent),
     }
