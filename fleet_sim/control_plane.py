@@ -274,7 +274,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--edge-url", help="the edge, used to wake sessions for job ends")
     parser.add_argument("--journal", type=Path, help="append lifecycle events here (JSON lines)")
+    parser.add_argument(
+        "--grant-ttl",
+        type=_ttl,
+        default=3600,
+        metavar="S",
+        help="seconds a minted grant is valid (default 3600; clients refresh at POST /v1/grants)",
+    )
     return parser
+
+
+def _ttl(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be whole seconds, got {text!r}") from None
+    if not 10 <= value <= 7 * 86400:
+        raise argparse.ArgumentTypeError(f"must be within 10-604800 seconds, got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -291,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             slices=slices,
             edge_url=args.edge_url,
             journal=args.journal,
+            grant_ttl_s=args.grant_ttl,
         )
     except (ValueError, ReplicaError) as exc:
         print(f"control plane: {exc}", file=sys.stderr)

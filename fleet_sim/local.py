@@ -210,7 +210,9 @@ class Fleet:
         )
         return Service("model", listening(proc.readline())["url"], None, proc)
 
-    def control_plane(self, slices: dict[str, list[str]], edge_url: str | None) -> Service:
+    def control_plane(
+        self, slices: dict[str, list[str]], edge_url: str | None, grant_ttl_s: int = 3600
+    ) -> Service:
         argv = _python(
             "fleet_sim.control_plane",
             "--listen",
@@ -228,6 +230,7 @@ class Fleet:
             argv += ["--slice", f"{name}:{','.join(s.partition('-')[2] for s in shards)}"]
         if edge_url:
             argv += ["--edge-url", edge_url]
+        argv += ["--grant-ttl", str(grant_ttl_s)]
         proc = self._spawn("control-plane", argv)
         return Service("control-plane", listening(proc.readline())["url"], None, proc)
 

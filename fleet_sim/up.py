@@ -43,6 +43,18 @@ def request_session(control_plane_url: str, tenant: str) -> dict[str, Any]:
     return made
 
 
+def request_grant(control_plane_url: str, tenant: str, session_id: str) -> str:
+    """A fresh grant for an existing session (a client's refresh before its grant expires)."""
+    response = httpx.post(
+        f"{control_plane_url}/v1/grants",
+        json={"tenant": tenant, "session_id": session_id},
+        timeout=10,
+    )
+    response.raise_for_status()
+    grant: str = response.json()["grant"]
+    return grant
+
+
 @dataclass(frozen=True, slots=True)
 class UpConfig:
     state_dir: Path
@@ -53,6 +65,7 @@ class UpConfig:
     idle_timeout_s: float = 60.0
     extra_replica_args: tuple[str, ...] = ()
     retry_budget_s: float = 120.0
+    grant_ttl_s: int = 3600  # how long the control plane's grants are valid
     web_listen: str | None = None  # where the session page is served; None: no page
 
 
@@ -126,8 +139,15 @@ class LocalFleet:
     def retry_budget_s(self) -> float:
         return self.config.retry_budget_s
 
+    @property
+    def grant_ttl_s(self) -> float:
+        return self.config.grant_ttl_s
+
     def new_session(self, tenant: str = "demo") -> dict[str, Any]:
         return request_session(self.control_plane.url, tenant)
+
+    def refresh_grant(self, tenant: str, session_id: str) -> str:
+        return request_grant(self.control_plane.url, tenant, session_id)
 
     def start_replica(self, name: str, slice_name: str) -> Replica:
         """Start (or start again, on the same port) one replica of ``slice_name``."""
@@ -209,7 +229,7 @@ def start(config: UpConfig, shard_path: ShardPath | None = None) -> LocalFleet:
         edge_url = f"http://{host}:{port}"
         fleet.sandbox  # noqa: B018 - started first: grants name it
         model = fleet.model_server() if config.model == "server" else None
-        control = fleet.control_plane(SLICES, edge_url)
+        control = fleet.control_plane(SLICES, edge_url, config.grant_ttl_s)
         placeholder = Service("edge", edge_url, None, fleet.sandbox.proc)
         local = LocalFleet(
             config,

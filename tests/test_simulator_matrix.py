@@ -54,6 +54,8 @@ def test_a_short_soak_loses_nothing(tmp_path: Path) -> None:
         "6",
         "--fault-every",
         "10",
+        "--grant-ttl",
+        "20",  # expires twice during the run: clients must renew theirs
         "--substrate",
         "leasefs",
         "--seed",

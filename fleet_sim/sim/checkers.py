@@ -62,6 +62,7 @@ def no_acknowledged_turn_lost_or_duplicated(
     failed one never; every acknowledged prompt has its reply after it."""
     errors: list[str] = []
     figures: Counter[str] = Counter()
+    stored: dict[str, Counter[str]] = {}  # per session, read once: a long soak has many ops
     for op in ops:
         if op.op != "prompt":
             continue
@@ -70,7 +71,10 @@ def no_acknowledged_turn_lost_or_duplicated(
         if history is None:
             errors.append(f"{op.session_id}: no stored history")
             continue
-        count = prompt_tokens(history)[op.token]
+        tokens = stored.get(op.session_id)
+        if tokens is None:
+            tokens = stored[op.session_id] = prompt_tokens(history)
+        count = tokens[op.token]
         if op.outcome == "ok" and count != 1:
             figures["lost" if count == 0 else "duplicated"] += 1
             errors.append(f"{op.session_id}: acknowledged {op.token} stored {count} times")

@@ -33,6 +33,13 @@ def _positive(text: str) -> float:
     return value
 
 
+def _ttl(text: str) -> int:
+    value = _positive(text)
+    if value != int(value) or not 10 <= value <= 7 * 86400:
+        raise argparse.ArgumentTypeError(f"must be whole seconds within 10-604800, got {text}")
+    return int(value)
+
+
 def _sessions(text: str) -> int:
     try:
         value = int(text)
@@ -153,6 +160,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="S",
         help="seconds between faults, jittered by a third (default: an eighth of the duration)",
     )
+    soak_parser.add_argument(
+        "--grant-ttl",
+        type=_ttl,
+        default=3600,
+        metavar="S",
+        help="lifetime of the grants the control plane mints (default 3600); clients renew "
+        "theirs at half of it, as long-lived clients must",
+    )
     soak_parser.add_argument("--substrate", default="local-dir", choices=SUBSTRATES[:2])
     _results_arg(soak_parser)
     soak_parser.set_defaults(handler=_soak)
@@ -226,7 +241,7 @@ def _soak(args: argparse.Namespace) -> int:
             sessions=args.sessions,
             fault_every_s=args.fault_every,
         ),
-        {"retry_budget_s": 120.0},
+        {"retry_budget_s": 120.0, "grant_ttl_s": args.grant_ttl},
     )
     run_dir = new_run_dir(args.results, "soak")
     result = run_scenario(item, args.substrate, run_dir, seed=args.seed)

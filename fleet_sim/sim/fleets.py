@@ -19,7 +19,7 @@ from edge.errors import ConfigError
 from edge.retry import DEFAULT_BUDGET_S
 from fleet_sim.keys import KeySet, load_keyset
 from fleet_sim.sim.substrates import NotApplicable
-from fleet_sim.up import request_session
+from fleet_sim.up import request_grant, request_session
 
 
 class ReplicaView(Protocol):
@@ -52,7 +52,12 @@ class FleetView(Protocol):
     @property
     def retry_budget_s(self) -> float: ...
 
+    @property
+    def grant_ttl_s(self) -> float: ...
+
     def new_session(self, tenant: str = "demo") -> dict[str, Any]: ...
+
+    def refresh_grant(self, tenant: str, session_id: str) -> str: ...
 
     def stop(self, drain_timeout_s: float = 30.0) -> None: ...
 
@@ -88,6 +93,8 @@ class AttachedFleet:
                 )
             self.shards = {str(k): Path(v) for k, v in shards.items()}
             self.lease_s = float(state.get("lease_s") or 0.0)
+            # The control plane's grant lifetime, when the state says; else its default.
+            self._grant_ttl_s = float(state.get("grant_ttl_s") or 3600)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise AttachedError(f"{state_file}: not an attached fleet's state ({exc})") from None
         metrics = state.get("edge_metrics_url")
@@ -137,8 +144,15 @@ class AttachedFleet:
     def retry_budget_s(self) -> float:
         return self._retry_budget_s
 
+    @property
+    def grant_ttl_s(self) -> float:
+        return self._grant_ttl_s
+
     def new_session(self, tenant: str = "demo") -> dict[str, Any]:
         return request_session(self._control_plane_url, tenant)
+
+    def refresh_grant(self, tenant: str, session_id: str) -> str:
+        return request_grant(self._control_plane_url, tenant, session_id)
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """An attached fleet outlives the run: nothing to stop."""

@@ -15,7 +15,7 @@ import secrets
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -92,6 +92,13 @@ class Context:
             out.append(Session(made["session_id"], tenant, made["grant"]))
         return out
 
+    def refreshed(self, session: Session) -> Session:
+        """``session`` with a freshly minted grant (grants expire; sessions do not)."""
+        return replace(session, grant=self.fleet.refresh_grant(session.tenant, session.session_id))
+
+    async def fresh_grant(self, session: Session) -> Session:
+        return await asyncio.to_thread(self.refreshed, session)
+
     def members(self, slice_name: str) -> list[str]:
         return [n for n, (s, _) in self.fleet.replicas.items() if s == slice_name]
 
@@ -121,7 +128,9 @@ class Context:
     ) -> list[ClaimResult]:
         ops = self.ops()
         histories, failures = self.histories(sessions)
-        reached = self.run(reachable(self.edge, sessions, reach_timeout_s))
+        # With grants of their own: a long run outlives the ones its sessions started with.
+        current = [self.refreshed(s) for s in sessions]
+        reached = self.run(reachable(self.edge, current, reach_timeout_s))
         return [
             checkers.no_acknowledged_turn_lost_or_duplicated(ops, histories),
             checkers.one_writer_per_epoch(histories),

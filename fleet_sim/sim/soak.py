@@ -95,7 +95,18 @@ def soak(
     thread = threading.Thread(target=chaos, daemon=True)
     thread.start()
     try:
-        ctx.run(drive(ctx.edge, pool, ctx.journal, until=until, max_ops=10_000_000, seed=ctx.seed))
+        ctx.run(
+            drive(
+                ctx.edge,
+                pool,
+                ctx.journal,
+                until=until,
+                max_ops=10_000_000,
+                seed=ctx.seed,
+                fresh_grant=ctx.fresh_grant,
+                grant_refresh_s=ctx.fleet.grant_ttl_s / 2,
+            )
+        )
     finally:
         stop.set()
         thread.join(timeout=300)

@@ -13,7 +13,7 @@ import json
 import random
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,10 +150,14 @@ async def drive(
     max_ops: int,
     think_s: float = 0.05,
     seed: int = 0,
+    fresh_grant: Callable[[Session], Awaitable[Session]] | None = None,
+    grant_refresh_s: float = 1800.0,
 ) -> list[Op]:
     """Each session prompts back to back (with a little think time) until ``until`` or until
     ``max_ops`` operations in all; bounded in both count and time. Each client reconnects with
-    the last message id it saw committed, so a long run's catch-ups stay small."""
+    the last message id it saw committed, so a long run's catch-ups stay small, and (given
+    ``fresh_grant``) renews its grant every ``grant_refresh_s``, as a client of a long session
+    must before its grant expires."""
     rng = random.Random(seed)
     budget = {"left": max_ops}
     ops: list[Op] = []
@@ -161,7 +165,10 @@ async def drive(
     async def client(session: Session) -> None:
         await asyncio.sleep(rng.random() * think_s)
         since: str | None = None
+        renewed = time.time()
         while time.time() < until and budget["left"] > 0:
+            if fresh_grant is not None and time.time() - renewed > grant_refresh_s:
+                session, renewed = await fresh_grant(session), time.time()
             budget["left"] -= 1
             op = await prompt_ws(edge, session, journal, since=since)
             if op.outcome == "ok":
