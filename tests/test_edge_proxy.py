@@ -126,7 +126,8 @@ async def test_budget_exhaustion_is_a_clear_503_from_the_edge() -> None:
         text = body.decode()
         assert "slice a07" in text and "0.3 s" in text and "held elsewhere" in text
         assert sample(edge, "edge_budget_exhaustions_total", kind="command") == 1
-    assert len(r1.seen) >= 3 and r2.seen
+    # Retried in place, then walked: how many retries fit in 0.3 s depends on the machine's load.
+    assert len(r1.seen) >= 2 and r2.seen
 
 
 @pytest.mark.anyio
