@@ -276,7 +276,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--journal", type=Path, help="append lifecycle events here (JSON lines)")
     parser.add_argument(
         "--grant-ttl",
-        type=_ttl,
+        type=grant_ttl_arg,
         default=3600,
         metavar="S",
         help="seconds a minted grant is valid (default 3600; clients refresh at POST /v1/grants)",
@@ -284,7 +284,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _ttl(text: str) -> int:
+def grant_ttl_arg(text: str) -> int:
+    """``--grant-ttl``: whole seconds, from 10 s to a week."""
     try:
         value = int(text)
     except ValueError:

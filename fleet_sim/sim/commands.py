@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import fleet_sim.sim.scenarios_jobs  # noqa: F401 - registers the job-end scenarios
+from fleet_sim.control_plane import grant_ttl_arg
 from fleet_sim.sim import scenarios_core  # noqa: F401 - registers the catalogue
 from fleet_sim.sim.fleets import AttachedError, AttachedFleet
 from fleet_sim.sim.scenario import (
@@ -31,13 +32,6 @@ def _positive(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
     return value
-
-
-def _ttl(text: str) -> int:
-    value = _positive(text)
-    if value != int(value) or not 10 <= value <= 7 * 86400:
-        raise argparse.ArgumentTypeError(f"must be whole seconds within 10-604800, got {text}")
-    return int(value)
 
 
 def _sessions(text: str) -> int:
@@ -162,7 +156,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     soak_parser.add_argument(
         "--grant-ttl",
-        type=_ttl,
+        type=grant_ttl_arg,
         default=3600,
         metavar="S",
         help="lifetime of the grants the control plane mints (default 3600); clients renew "
