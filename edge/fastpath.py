@@ -29,10 +29,8 @@ the aiohttp path.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -42,7 +40,7 @@ from edge.accesslog import AccessRecord
 from edge.classify import Kind, Routed, classify
 from edge.config import EdgeOptions
 from edge.errors import UpstreamError
-from edge.headers import HOP_BY_HOP, RawHeaders, declared_length, response_fields
+from edge.headers import REFRAMED, RawHeaders, declared_length, response_fields
 from edge.metrics import Outcome
 from edge.proxy import EdgeAnswer, whole_body
 from edge.upstream import UpstreamResponse
@@ -60,8 +58,6 @@ _HEADER_LINE: Final = re.compile(
 # Requests carrying these take the full path (body framing and handshakes are its business).
 _NOT_FAST: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 _CONNECTION_OPTIONS: Final = frozenset({b"close", b"keep-alive"})
-# What request_head drops from a re-framed request (hop-by-hop fields and the old framing).
-_NOT_FORWARDED: Final = HOP_BY_HOP | {b"content-length", b"expect"}
 _NO_BODY_STATUS: Final = frozenset({204, 304})
 _REASONS: Final = {s.value: s.phrase.encode("ascii") for s in HTTPStatus}
 
@@ -122,7 +118,7 @@ def parse_head(head: bytes) -> FastRequest | None:
         elif lower == b"host":
             has_host = True
         headers.append((name, value))
-        if lower not in _NOT_FORWARDED:
+        if lower not in REFRAMED:  # what request_head drops: hop-by-hop and old framing
             forward.append(name + b": " + value + b"\r\n")
     if length is None:
         return None
@@ -237,12 +233,9 @@ class FastConnection(asyncio.Protocol):
     # --- asyncio.Protocol ----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods. Both
+        # loops set TCP_NODELAY on TCP transports themselves.
         self.transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         loop = self._loop = asyncio.get_running_loop()
         self.active_at = loop.time()
         self.lane.add(self, loop)
@@ -344,7 +337,8 @@ class FastConnection(asyncio.Protocol):
         del buffer[:need]
         if request.close:
             self.closing = True
-        self.task = asyncio.get_running_loop().create_task(self._run(request, decision, body))
+        assert self._loop is not None
+        self.task = self._loop.create_task(self._run(request, decision, body))
 
     async def _run(self, request: FastRequest, decision: Routed, body: bytes) -> None:
         try:

@@ -36,7 +36,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Bodies are re-framed by the edge, and Expect is answered by the edge.
-_REFRAMED = HOP_BY_HOP | {b"content-length", b"expect"}
+REFRAMED = HOP_BY_HOP | {b"content-length", b"expect"}
 _CALLBACK_DROP = (HOP_BY_HOP - {b"transfer-encoding"}) | {b"expect"}
 # aiohttp writes its own handshake for the replica side of a WebSocket.
 _WS_HANDSHAKE = HOP_BY_HOP | {
@@ -89,7 +89,7 @@ def request_head(
     body is announced with ``Content-Length: body_length`` (omitted for an empty body on a
     method that carries none).
     """
-    drop = _drop_set(headers, _CALLBACK_DROP if keep_framing else _REFRAMED)
+    drop = _drop_set(headers, _CALLBACK_DROP if keep_framing else REFRAMED)
     parts = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1")]
     append = parts.append
     saw_host = False

@@ -67,7 +67,7 @@ class Lifecycle(enum.Enum):
     STOPPED = enum.auto()
 
 
-# Session ids whose route (slice, owner, Host) the fast lane remembers per configuration.
+# Session ids whose route (slice and ring owner) is remembered per configuration.
 ROUTE_CACHE_SIZE: Final = 65_536
 
 
@@ -369,7 +369,7 @@ class Edge:
             return answer(503, text, retry_after=True)
         headers = request.raw_headers
         try:
-            _, slice_config = runtime.config.route(decision.session_id)
+            slice_config = runtime.route(decision.session_id).slice_config
             if kind is Kind.CALLBACK:
                 response, outcome = await forward_callback(
                     self._http,
