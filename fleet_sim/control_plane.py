@@ -41,6 +41,8 @@ from replica.keyfiles import read_key_file
 from replica.names import parse_session_id, parse_slice, parse_tenant
 
 log = logging.getLogger("fleet_sim.control_plane")
+
+GRANT_TTL_S = 3600  # how long a minted grant is valid, unless --grant-ttl says otherwise
 MAX_EVENTS = 100_000
 WORKSPACE_ROOT = "/workspace"
 
@@ -59,7 +61,7 @@ class ControlPlaneConfig:
     slices: tuple[SliceShards, ...]
     edge_url: str | None = None
     journal: Path | None = None
-    grant_ttl_s: int = 3600
+    grant_ttl_s: int = GRANT_TTL_S
 
 
 def parse_slice_arg(value: str) -> SliceShards:
@@ -277,7 +279,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--grant-ttl",
         type=grant_ttl_arg,
-        default=3600,
+        default=GRANT_TTL_S,
         metavar="S",
         help="seconds a minted grant is valid (default 3600; clients refresh at POST /v1/grants)",
     )

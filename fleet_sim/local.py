@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import httpx
 
+from fleet_sim.control_plane import GRANT_TTL_S
 from fleet_sim.keys import KeySet, generate_keyset, load_keyset, mint_grant
 from fleet_sim.sandbox import sandbox_exec
 from replica.keyfiles import read_key_file
@@ -211,7 +212,7 @@ class Fleet:
         return Service("model", listening(proc.readline())["url"], None, proc)
 
     def control_plane(
-        self, slices: dict[str, list[str]], edge_url: str | None, grant_ttl_s: int = 3600
+        self, slices: dict[str, list[str]], edge_url: str | None, grant_ttl_s: int = GRANT_TTL_S
     ) -> Service:
         argv = _python(
             "fleet_sim.control_plane",

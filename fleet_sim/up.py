@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from fleet_sim.control_plane import GRANT_TTL_S
 from fleet_sim.keys import KeySet
 from fleet_sim.local import Fleet, Replica, Service
 
@@ -65,7 +66,7 @@ class UpConfig:
     idle_timeout_s: float = 60.0
     extra_replica_args: tuple[str, ...] = ()
     retry_budget_s: float = 120.0
-    grant_ttl_s: int = 3600  # how long the control plane's grants are valid
+    grant_ttl_s: int = GRANT_TTL_S  # how long the control plane's grants are valid
     web_listen: str | None = None  # where the session page is served; None: no page
 
 

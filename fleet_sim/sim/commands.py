@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import fleet_sim.sim.scenarios_jobs  # noqa: F401 - registers the job-end scenarios
-from fleet_sim.control_plane import grant_ttl_arg
+from fleet_sim.control_plane import GRANT_TTL_S, grant_ttl_arg
 from fleet_sim.sim import scenarios_core  # noqa: F401 - registers the catalogue
 from fleet_sim.sim.fleets import AttachedError, AttachedFleet
 from fleet_sim.sim.scenario import (
@@ -157,7 +157,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     soak_parser.add_argument(
         "--grant-ttl",
         type=grant_ttl_arg,
-        default=3600,
+        default=GRANT_TTL_S,
         metavar="S",
         help="lifetime of the grants the control plane mints (default 3600); clients renew "
         "theirs at half of it, as long-lived clients must",

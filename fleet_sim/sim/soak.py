@@ -36,13 +36,17 @@ def takeover_figures(
 ) -> dict[str, float]:
     """Per fault kind, how long the victim's sessions waited: from the fault to each one's
     first acknowledged turn after it (median and maximum over all such sessions)."""
+    by_session: dict[str, list[Op]] = {}
+    for op in ops:  # grouped once: a long soak has many operations and many faults
+        by_session.setdefault(op.session_id, []).append(op)
     figures: dict[str, float] = {}
     for kind, label in KIND_LABEL.items():
         samples: list[float] = []
         for event in events:
             if event["kind"] == kind:
                 victims = owned.get(str(event["replica"]), [])
-                samples += checkers.takeover_times(ops, float(event["at"]), victims)  # type: ignore[arg-type]
+                theirs = [op for sid in victims for op in by_session.get(sid, ())]
+                samples += checkers.takeover_times(theirs, float(event["at"]), victims)  # type: ignore[arg-type]
         if samples:
             figures[f"takeover_{label}_median_s"] = round(statistics.median(samples), 3)
             figures[f"takeover_{label}_max_s"] = round(max(samples), 3)
