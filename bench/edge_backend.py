@@ -31,7 +31,7 @@ from typing import Final, cast
 
 from bench.loadgen import server_frame, unmask
 from bench.replica_bench import cpu_seconds
-from fleet_sim.up import free_port
+from fleet_sim.ports import free_port
 
 START_TIMEOUT_S: Final = 20.0
 # About the size of a replica's get_state answer.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,16 +23,10 @@ import httpx
 from fleet_sim.control_plane import GRANT_TTL_S
 from fleet_sim.keys import KeySet
 from fleet_sim.local import Fleet, Replica, Service
+from fleet_sim.ports import free_port
 
 SLICES: dict[str, list[str]] = {"a07": ["a07-s1", "a07-s2"], "a08": ["a08-s1", "a08-s2"]}
 REPLICAS_PER_SLICE = 3
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def request_session(control_plane_url: str, tenant: str) -> dict[str, Any]:

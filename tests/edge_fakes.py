@@ -8,7 +8,6 @@ headers and body), and counts handlers cancelled because the edge went away.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from aiohttp import WSMsgType, web
 from edge.config import EdgeConfig, parse_config
 from edge.ring import Ring
 from edge.server import Edge, start_edge
+from fleet_sim.ports import free_port
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -156,14 +156,6 @@ def sample(edge: Edge, name: str, **labels: str) -> float:
 
 def requests(edge: Edge, kind: str, outcome: str) -> float:
     return sample(edge, "edge_requests_total", kind=kind, outcome=outcome)
-
-
-def free_port() -> int:
-    """A port nothing listens on (connections to it are refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 def edge_config(

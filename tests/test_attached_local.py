@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet_sim.up import free_port
+from fleet_sim.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "deploy" / "attached-local"

@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from fleet_sim.up import LocalFleet, UpConfig, free_port, start
+from fleet_sim.ports import free_port
+from fleet_sim.up import LocalFleet, UpConfig, start
 from tests.cdp import Page, chromium, chromium_or_skip
 
 pytestmark = pytest.mark.slow

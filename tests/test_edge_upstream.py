@@ -8,7 +8,7 @@ import pytest
 
 from edge.errors import UpstreamBadResponse, UpstreamTimeout, UpstreamUnavailable
 from edge.upstream import Origin, UpstreamPool
-from tests.edge_fakes import free_port
+from fleet_sim.ports import free_port
 
 Conn = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 GET = b"GET /x HTTP/1.1\r\nHost: r\r\n\r\n"

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from fleet_sim.ports import free_port
 from replica.lifecycle import Lifecycle, LifecycleConfig
 
 pytestmark = pytest.mark.anyio
@@ -119,9 +119,7 @@ async def test_gives_up_after_the_attempts(receiver: Receiver) -> None:
 
 
 async def test_an_absent_control_plane_costs_events_not_time() -> None:
-    with socket.socket() as sock:  # a port nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # nothing listens on it
     drops: list[str] = []
     lifecycle = await started(config(f"http://127.0.0.1:{port}/events", attempts=2), drops)
     started_at = time.monotonic()

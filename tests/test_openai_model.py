@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -10,6 +9,7 @@ import httpx
 import pytest
 
 from fleet_sim.model_server import REQUESTS, ModelServerConfig, RequestLog, start_model_server
+from fleet_sim.ports import free_port
 from replica.errors import ConfigError
 from replica.model import (
     ChatMessage,
@@ -149,9 +149,7 @@ async def test_slow_first_token_times_out() -> None:
 
 @pytest.mark.anyio
 async def test_refused_connection_is_unavailable() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     model = OpenAIModel(f"http://127.0.0.1:{port}/v1", timeout=5)
     try:
         with pytest.raises(ModelUnavailable) as info:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,18 +16,12 @@ import pytest
 from aiohttp import web
 
 from fleet_sim.local import Fleet, Replica
+from fleet_sim.ports import free_port
 from replica.keyfiles import read_key_file
 from replica.notify import NotifyKey
 from tests.harness import fleet_at, post, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="module")

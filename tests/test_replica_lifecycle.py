@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import re
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from fleet_sim.ports import free_port
 from replica.names import parse_session_id
 from replica.store import SessionStore
 from tests.harness import Fleet, Replica, fleet_at, post, wait_until
@@ -285,9 +285,7 @@ def test_list_sessions_matches_title_preview_and_id_newest_first(
 
 
 def test_a_receiver_that_is_down_costs_events_not_turns(fleet: Fleet) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{probe.getsockname()[1]}/events"  # nothing listens here
+    dead = f"http://127.0.0.1:{free_port()}/events"  # nothing listens here
     down = fleet.replica("down", {"a07-s1": fleet.root / "s-down"}, "--lifecycle-url", dead)
     sid = new_sid()
     grant = fleet.grant("acme", sid, sandbox=False)

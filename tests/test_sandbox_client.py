@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from fleet_sim.ports import free_port
 from fleet_sim.sandbox import (
     TOKEN_HEADER,
     SandboxConfig,
@@ -65,13 +65,6 @@ async def scripted(status: int, body: str, content_type: str) -> AsyncIterator[s
         yield f"http://127.0.0.1:{runner.addresses[0][1]}/s/box"
     finally:
         await runner.cleanup()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def client(base: str, name: str = "box") -> SandboxClient:

@@ -3,7 +3,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -15,6 +14,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from fleet_sim.ports import free_port
 from fleet_sim.sandbox import SandboxConfig, sandbox_exec, start_sandbox_server
 from fleet_sim.sandbox_notify import (
     DeliveryRecord,
@@ -95,13 +95,6 @@ def send(running: Notifier, url: str) -> DeliveryRecord:
     return running.notify(
         sandbox="box", job_id="j1", target=NotifyTarget(url=url, token=TOKEN), event=event
     )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 # --- the pure decision ---

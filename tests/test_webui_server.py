@@ -13,7 +13,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from fleet_sim.up import free_port
+from fleet_sim.ports import free_port
 from fleet_sim.webui.errors import ConfigError
 from fleet_sim.webui.server import COOKIE, WebConfig, WebUI, check_loopback, start_webui
 

@@ -37,12 +37,13 @@ from edge.config import EdgeOptions, parse_config_text
 from edge.errors import ConfigError
 from edge.retry import CALLBACK_BUDGET_S
 from edge.ring import Ring
+from fleet_sim.ports import free_port
 from fleet_sim.sim import checkers
 from fleet_sim.sim.checkers import ClaimResult, verdict
 from fleet_sim.sim.scenario import Context, scenario
 from fleet_sim.sim.scenarios_core import STANDARD
 from fleet_sim.sim.workload import Session, prompt_ws
-from fleet_sim.up import SLICES, free_port
+from fleet_sim.up import SLICES
 from replica.history import History
 from replica.keyfiles import read_key_file
 from replica.notify import NotifyKey, NotifyTokenError
