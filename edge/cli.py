@@ -132,7 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Imported here so that `fleet-edge ring` does not pay for loading the server.
     import uvloop
 
-    from edge.accesslog import install_redaction
+    from edge.accesslog import AccessSink, install_redaction, use_sink
     from edge.server import serve
 
     logging.basicConfig(
@@ -141,7 +141,11 @@ def _serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     install_redaction()
-    result: int = uvloop.run(serve(config_path, config, host, port, metrics_address))
+    use_sink(AccessSink(sys.stderr))
+    try:
+        result: int = uvloop.run(serve(config_path, config, host, port, metrics_address))
+    finally:
+        use_sink(None)  # whatever is still buffered goes out
     return result
 
 

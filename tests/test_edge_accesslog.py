@@ -1,10 +1,22 @@
 from __future__ import annotations
 
+import asyncio
+import io
 import logging
+import re
+from collections.abc import Iterator
 
 import pytest
 
-from edge.accesslog import AccessRecord, RedactCredentials, install_redaction, redact, write
+from edge.accesslog import (
+    AccessRecord,
+    AccessSink,
+    RedactCredentials,
+    install_redaction,
+    redact,
+    use_sink,
+    write,
+)
 from edge.classify import Kind
 from edge.metrics import Outcome
 
@@ -63,3 +75,81 @@ def test_paths_are_logged_on_one_line() -> None:
     record = AccessRecord("GET", "/a\nb c" + "x" * 300)
     line = record.line(0.0)
     assert "\n" not in line and len(line) < 400
+
+
+@pytest.fixture
+def sink() -> Iterator[tuple[AccessSink, io.StringIO]]:
+    stream = io.StringIO()
+    made = AccessSink(stream, flush_after_s=0.05, max_lines=4)
+    use_sink(made)
+    try:
+        yield made, stream
+    finally:
+        use_sink(None)
+
+
+def delivered(path: str = "/_beyond/agent", method: str = "POST") -> AccessRecord:
+    record = AccessRecord(method, path)
+    record.kind = Kind.COMMAND
+    record.answered(200)
+    record.tally.replica = "r1"
+    record.tally.attempts = 1
+    return record
+
+
+@pytest.mark.anyio
+async def test_the_sink_batches_lines_and_writes_them_soon(
+    sink: tuple[AccessSink, io.StringIO], caplog: pytest.LogCaptureFixture
+) -> None:
+    _, stream = sink
+    with caplog.at_level(logging.INFO, "edge.access"):
+        write(delivered(), 0.002)
+        write(delivered(), 0.003)
+        assert stream.getvalue() == ""  # buffered, not yet written
+        await asyncio.sleep(0.2)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 and not caplog.messages  # the sink, not the logger
+    assert re.fullmatch(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO edge\.access: POST /_beyond/agent 200 "
+        r"kind=command outcome=delivered replica=r1 attempts=1 ms=2\.0",
+        lines[0],
+    )
+
+
+@pytest.mark.anyio
+async def test_a_full_buffer_is_written_at_once_and_a_removed_sink_is_flushed(
+    sink: tuple[AccessSink, io.StringIO], caplog: pytest.LogCaptureFixture
+) -> None:
+    made, stream = sink
+    with caplog.at_level(logging.INFO, "edge.access"):
+        for _ in range(5):
+            write(delivered(), 0.001)
+        assert len(stream.getvalue().splitlines()) == 4  # max_lines reached
+        assert use_sink(None) is made
+        assert len(stream.getvalue().splitlines()) == 5
+
+
+def test_the_sink_keeps_quiet_below_info_and_redacts_what_the_client_chose(
+    sink: tuple[AccessSink, io.StringIO], caplog: pytest.LogCaptureFixture
+) -> None:
+    made, stream = sink
+    with caplog.at_level(logging.WARNING, "edge.access"):
+        write(delivered(), 0.001)
+    made.flush()
+    assert stream.getvalue() == ""
+    with caplog.at_level(logging.INFO, "edge.access"):
+        write(delivered("/_beyond/agent/bjn_v1.secret", method="bjn_v1.other"), 0.001)
+    made.flush()  # no running loop: written at once anyway
+    text = stream.getvalue()
+    assert "secret" not in text and "other" not in text and text.count("[redacted]") == 2
+
+
+def test_a_broken_stream_does_not_fail_the_request(caplog: pytest.LogCaptureFixture) -> None:
+    stream = io.StringIO()
+    stream.close()
+    use_sink(AccessSink(stream))
+    try:
+        with caplog.at_level(logging.INFO, "edge.access"):
+            write(delivered(), 0.001)
+    finally:
+        use_sink(None)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
@@ -189,3 +190,14 @@ async def test_serve_reloads_on_sighup_and_drains_on_sigterm(tmp_path: Path) -> 
     assert "config reload failed, still serving the previous config" in stderr
     assert "retry_budget" in stderr and "edge stopped" in stderr
     assert "session_id=" not in stderr and "Traceback" not in stderr
+    # One access line per request, written in batches and flushed at shutdown.
+    access = [line for line in stderr.splitlines() if " INFO edge.access: " in line]
+    assert len(access) >= 90
+    assert all(
+        re.fullmatch(
+            r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO edge\.access: POST /_beyond/agent 200 "
+            r"kind=command outcome=delivered replica=r[123] attempts=1 ms=\d+\.\d",
+            line,
+        )
+        for line in access
+    ), access[:3]
