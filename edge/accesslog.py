@@ -123,8 +123,8 @@ class AccessRecord:
         replica = tally.replica or "-"
         attempts = tally.attempts
         return (
-            f"{self.method} {self.path} {self.status} kind={self.kind.value} "
-            f"outcome={self.outcome.value} replica={replica} attempts={attempts} "
+            f"{self.method} {self.path} {self.status} kind={self.kind} "
+            f"outcome={self.outcome} replica={replica} attempts={attempts} "
             f"ms={duration_s * 1000:.1f}"
         )
 

@@ -31,13 +31,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Final, cast
+from typing import Any, Final, Protocol, cast
 
 from edge.accesslog import AccessRecord
-from edge.classify import Kind, Routed, classify
+from edge.classify import Classified, Kind, Routed, classify
 from edge.config import EdgeOptions
 from edge.errors import UpstreamError
 from edge.headers import REFRAMED, RawHeaders, declared_length, response_fields
@@ -59,6 +59,8 @@ _HEADER_LINE: Final = re.compile(
 _NOT_FAST: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 _CONNECTION_OPTIONS: Final = frozenset({b"close", b"keep-alive"})
 _NO_BODY_STATUS: Final = frozenset({204, 304})
+_DECISIONS: Final = 4096  # remembered classifications per lane
+_DECISION_KEY_MAX: Final = 2048  # bytes of target and Authorization values worth remembering
 _REASONS: Final = {s.value: s.phrase.encode("ascii") for s in HTTPStatus}
 
 
@@ -68,11 +70,13 @@ class FastRequest:
     the header lines to send on (built once, while parsing)."""
 
     target: str
+    path: str  # the target without query or fragment, for the access log
     headers: list[tuple[bytes, bytes]]
     length: int
     close: bool  # the client sent Connection: close
     forward: bytes  # the fields a replica gets, as header lines (what request_head keeps)
     has_host: bool
+    authorization: tuple[bytes, ...] = ()  # the Authorization values, in order
 
     def upstream(self, body: bytes, host: bytes | None) -> bytes:
         """The request for a replica, byte for byte what ``edge.headers.request_head`` makes
@@ -98,6 +102,7 @@ def parse_head(head: bytes) -> FastRequest | None:
     forward: list[bytes] = []
     length: int | None = None
     close = has_host = False
+    authorization: list[bytes] = []
     for raw in lines[1:]:
         field = _HEADER_LINE.fullmatch(raw)
         if field is None:
@@ -117,13 +122,18 @@ def parse_head(head: bytes) -> FastRequest | None:
             close = close or b"close" in tokens
         elif lower == b"host":
             has_host = True
+        elif lower == b"authorization":
+            authorization.append(value)
         headers.append((name, value))
         if lower not in REFRAMED:  # what request_head drops: hop-by-hop and old framing
             forward.append(name + b": " + value + b"\r\n")
     if length is None:
         return None
     target = line.group(1).decode("ascii")
-    return FastRequest(target, headers, length, close, b"".join(forward), has_host)
+    path = target.partition("?")[0].partition("#")[0]
+    return FastRequest(
+        target, path, headers, length, close, b"".join(forward), has_host, tuple(authorization)
+    )
 
 
 def response_head(
@@ -157,7 +167,15 @@ def edge_answer(status: int, text: str, *, retry_after: bool = False, close: boo
     return response_head(status, fields, length=len(body), close=close) + body
 
 
-Serve = Callable[[FastRequest, Routed, bytes, "FastConnection"], Awaitable[None]]
+Serve = Callable[[FastRequest, Routed, bytes, "FastConnection"], Coroutine[Any, Any, None]]
+# Takes a command without a task when it can (see edge.express): True if it did.
+Express = Callable[[FastRequest, Routed, bytes, "FastConnection"], bool]
+
+
+class Job(Protocol):
+    """The request a connection is busy with: a task, or an express exchange."""
+
+    def cancel(self) -> Any: ...
 
 
 class FastLane:
@@ -169,14 +187,31 @@ class FastLane:
         serve: Serve,
         fallback: Callable[[], asyncio.Protocol],
         options: Callable[[], EdgeOptions],
+        express: Express | None = None,
     ) -> None:
         self.serve = serve
+        self.express = express
         self.fallback = fallback
         self.options = options
         self.connections: set[FastConnection] = set()
         self.closing = False
         self.handed_over = 0  # connections given to aiohttp, for tests and debugging
         self._sweeper: asyncio.TimerHandle | None = None
+        self._decisions: dict[tuple[str, tuple[bytes, ...]], Classified] = {}
+
+    def classify(self, request: FastRequest) -> Classified:
+        """``classify`` of a POST: it reads only the target and the Authorization values, so
+        its answer for the same pair is remembered (clients repeat both request after request;
+        the memory is bounded)."""
+        key = (request.target, request.authorization)
+        decision = self._decisions.get(key)
+        if decision is None:
+            decision = classify("POST", request.target, request.headers)
+            if len(request.target) + sum(map(len, request.authorization)) <= _DECISION_KEY_MAX:
+                if len(self._decisions) >= _DECISIONS:
+                    self._decisions.clear()
+                self._decisions[key] = decision
+        return decision
 
     def connection(self) -> FastConnection:
         return FastConnection(self)
@@ -192,7 +227,7 @@ class FastLane:
         self._sweeper = None
         limit = loop.time() - KEEPALIVE_S
         for conn in list(self.connections):
-            if conn.task is None and conn.active_at < limit:
+            if conn.job is None and conn.active_at < limit:
                 conn.close()
         if self.connections:
             self._sweeper = loop.call_later(_sweep_every(), self._sweep, loop)
@@ -201,7 +236,7 @@ class FastLane:
         """Draining: idle connections close now, busy ones after their current answer."""
         self.closing = True
         for conn in list(self.connections):
-            if conn.task is None:
+            if conn.job is None:
                 conn.close()
 
     def abort_all(self) -> None:
@@ -223,7 +258,7 @@ class FastConnection(asyncio.Protocol):
         self.lane = lane
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
-        self.task: asyncio.Task[None] | None = None
+        self.job: Job | None = None
         self.closing = False  # close once the current answer is out
         self.active_at = 0.0  # the loop's time of the last byte read or answer written
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -246,7 +281,7 @@ class FastConnection(asyncio.Protocol):
         self.buffer += data
         assert self._loop is not None
         self.active_at = self._loop.time()
-        if self.task is None:
+        if self.job is None:
             self._next()
         elif len(self.buffer) > self.lane.options().max_header_bytes and self._reading:
             # A pipelining client is far ahead of its answers: stop reading until we catch up.
@@ -260,8 +295,8 @@ class FastConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lane.connections.discard(self)
-        if self.task is not None:
-            self.task.cancel()
+        if self.job is not None:
+            self.job.cancel()
         if self._writable is not None:
             self._writable.set()
         self.transport = None
@@ -326,7 +361,7 @@ class FastConnection(asyncio.Protocol):
         if request is None or request.length > options.max_request_body_bytes:
             self._hand_over()
             return
-        decision = classify("POST", request.target, request.headers)
+        decision = self.lane.classify(request)
         if not isinstance(decision, Routed) or decision.kind is not Kind.COMMAND:
             self._hand_over()
             return
@@ -337,12 +372,25 @@ class FastConnection(asyncio.Protocol):
         del buffer[:need]
         if request.close:
             self.closing = True
-        assert self._loop is not None
-        self.task = self._loop.create_task(self._run(request, decision, body))
+        express = self.lane.express
+        if express is None or not express(request, decision, body, self):
+            self.adopt(self.lane.serve(request, decision, body, self))
 
-    async def _run(self, request: FastRequest, decision: Routed, body: bytes) -> None:
+    def adopt(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``work`` as this connection's current request (it writes the answer)."""
+        assert self._loop is not None
+        task = self._loop.create_task(self._run(work))
+        self.job = task
+        return task
+
+    def job_done(self) -> None:
+        """An express exchange has answered: go on with the connection."""
+        self.job = None
+        self._after()
+
+    async def _run(self, work: Coroutine[Any, Any, None]) -> None:
         try:
-            await self.lane.serve(request, decision, body, self)
+            await work
         except (asyncio.CancelledError, ConnectionError):
             # The client went away, or a drain ran out of grace: either way, no answer follows.
             self.abort()
@@ -352,7 +400,10 @@ class FastConnection(asyncio.Protocol):
             self.abort()
             return
         finally:
-            self.task = None
+            self.job = None
+        self._after()
+
+    def _after(self) -> None:
         if self.transport is None:
             return
         if self.must_close:

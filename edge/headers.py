@@ -152,8 +152,15 @@ def response_headers(headers: RawHeaders, *, keep_length: bool) -> list[tuple[st
 def response_fields(headers: RawHeaders) -> bytes:
     """A replica's response fields for the client as raw header lines, without hop-by-hop
     fields and without ``Content-Length`` (the fast lane writes the framing itself)."""
-    drop = _drop_set(headers, _RESPONSE_REFRAMED)
-    return b"".join(n + b": " + v + _CRLF for n, v in headers if n.lower() not in drop)
+    lines: list[bytes] = []
+    for name, value in headers:
+        lower = name.lower()
+        if lower == b"connection":  # it may name more fields to drop: the general rule
+            drop = _drop_set(headers, _RESPONSE_REFRAMED)
+            return b"".join(n + b": " + v + _CRLF for n, v in headers if n.lower() not in drop)
+        if lower not in _RESPONSE_REFRAMED:
+            lines.append(name + b": " + value + _CRLF)
+    return b"".join(lines)
 
 
 def websocket_headers(headers: RawHeaders) -> list[tuple[str, str]]:

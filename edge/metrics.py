@@ -6,7 +6,10 @@ replica value can reach a label: the scrape re-checks each sample against the vo
 refuses to serve (500, logged) if anything outside it slipped in.
 
 The hot path never calls ``labels()``: children are resolved once into dictionaries keyed by
-the enums the proxy already holds.
+the enums the proxy already holds. The two figures every request touches (requests by kind and
+outcome, placement latency) are kept as plain numbers and turned into samples at scrape time: a
+client-library child's ``inc`` or ``observe`` costs several Python calls and a lock per request,
+a dictionary update costs none.
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ from __future__ import annotations
 import enum
 import ipaddress
 import logging
+from bisect import bisect_left
+from collections.abc import Iterator
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from edge.classify import Kind
 from edge.errors import ConfigError
@@ -75,18 +82,57 @@ VOCABULARY: dict[str, frozenset[str]] = {
 }
 
 
+class Latency:
+    """One kind's placement latency: bucket counts (the last is +Inf) and their sum."""
+
+    __slots__ = ("buckets", "total")
+
+    def __init__(self) -> None:
+        self.buckets = [0] * (len(PLACEMENT_BUCKETS) + 1)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.buckets[bisect_left(PLACEMENT_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+
+class _Tallies(Collector):
+    """``edge_requests_total`` and ``edge_placement_seconds`` from plain numbers."""
+
+    def __init__(self) -> None:
+        self.requests = {(k, o): 0 for k in Kind for o in Outcome}
+        self.placement = {k: Latency() for k in Kind}
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "edge_requests", "Requests by kind and how they ended.", labels=("kind", "outcome")
+        )
+        for (kind, outcome), count in self.requests.items():
+            requests.add_metric((kind.value, outcome.value), count)
+        yield requests
+        placement = HistogramMetricFamily(
+            "edge_placement_seconds",
+            "From a request's arrival to the answer the edge delivers from a replica.",
+            labels=("kind",),
+        )
+        bounds = [str(float(b)) for b in PLACEMENT_BUCKETS] + ["+Inf"]
+        for kind, latency in self.placement.items():
+            cumulative, running = [], 0
+            for bound, count in zip(bounds, latency.buckets, strict=True):
+                running += count
+                cumulative.append((bound, float(running)))
+            placement.add_metric((kind.value,), cumulative, latency.total)
+        yield placement
+
+
 class EdgeMetrics:
     """One registry per edge (tests run several edges in one process)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self._requests = Counter(
-            "edge_requests",
-            "Requests by kind and how they ended.",
-            ("kind", "outcome"),
-            registry=r,
-        )
+        self._tallies = _Tallies()
+        r.register(self._tallies)
         self._retries = Counter(
             "edge_retries",
             "Same-replica retries after a 503 or an unreachable replica, before any walk.",
@@ -117,13 +163,6 @@ class EdgeMetrics:
             ("kind",),
             registry=r,
         )
-        self._placement = Histogram(
-            "edge_placement_seconds",
-            "From a request's arrival to the answer the edge delivers from a replica.",
-            ("kind",),
-            buckets=PLACEMENT_BUCKETS,
-            registry=r,
-        )
         self._streams = Gauge(
             "edge_open_streams",
             "WebSocket sessions and SSE streams being relayed now.",
@@ -142,15 +181,14 @@ class EdgeMetrics:
         self._in_flight = Gauge(
             "edge_requests_in_flight", "Requests being handled now.", registry=r
         )
-        self.requests = {
-            (k, o): self._requests.labels(k.value, o.value) for k in Kind for o in Outcome
-        }
+        # Requests by (kind, outcome): add to them in place.
+        self.requests = self._tallies.requests
         self.retries = {k: self._retries.labels(k.value) for k in Kind}
         self.walk_steps = {k: self._walk_steps.labels(k.value) for k in Kind}
         self.exhausted = {k: self._exhausted.labels(k.value) for k in Kind}
         self.misdirected = {k: self._misdirected.labels(k.value) for k in Kind}
         self.unreachable = {k: self._unreachable.labels(k.value) for k in Kind}
-        self.placement = {k: self._placement.labels(k.value) for k in Kind}
+        self.placement = self._tallies.placement
         self.streams = {k: self._streams.labels(k.value) for k in STREAM_KINDS}
         self.rate_limited = {s: self._rate_limited.labels(s.value) for s in LimitScope}
         self.reloads = {name: self._reloads.labels(name) for name in RELOAD_RESULTS}

@@ -90,6 +90,7 @@ async def place(
     *,
     started: float,
     owner: ReplicaConfig | None = None,
+    first: T | Refusal | None = None,
     clock: Callable[[], float] | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     jitter: Jitter = random.random,
@@ -98,13 +99,14 @@ async def place(
 
     ``started`` is when the request arrived, on ``clock`` (the running loop's clock by default):
     the budget counts from there, not from the first attempt. ``owner`` saves hashing the id
-    again when the caller already looked it up.
+    again when the caller already looked it up; ``first`` is the owner's answer when the caller
+    already asked it.
     """
     if owner is None:
         owner = slice_config.replica(slice_config.ring.owner(session_id))
     tally.attempts = 1
     tally.replica = owner.name
-    answer = await attempt(owner)
+    answer = first if first is not None else await attempt(owner)
     if not isinstance(answer, Refusal):
         return answer
     now = clock if clock is not None else asyncio.get_running_loop().time

@@ -196,12 +196,23 @@ class HttpProxy:
         tally: Tally,
         started: float,
         owner: ReplicaConfig,
+        first: UpstreamResponse | None = None,
     ) -> UpstreamResponse:
         async def attempt(replica: ReplicaConfig) -> UpstreamResponse | Refusal:
             return await self.attempt(replica, data, options, head_only)
 
+        answer: UpstreamResponse | Refusal | None = first
+        if first is not None and first.status in (503, 421):
+            answer = await _refusal(first, owner)
         return await place(
-            slice_config, session_id, policy, attempt, tally, started=started, owner=owner
+            slice_config,
+            session_id,
+            policy,
+            attempt,
+            tally,
+            started=started,
+            owner=owner,
+            first=answer,
         )
 
     async def forward(
@@ -251,11 +262,22 @@ class HttpProxy:
         tally: Tally,
         started: float,
         owner: ReplicaConfig,
+        first: UpstreamResponse | None = None,
     ) -> UpstreamResponse | EdgeAnswer:
-        """The replica's answer once placed, or the edge's own answer when placement failed."""
+        """The replica's answer once placed, or the edge's own answer when placement failed.
+        ``first`` is the owner's answer when the caller already asked it (edge.express)."""
         try:
             response = await self.place(
-                head_only, slice_config, session_id, data, options, policy, tally, started, owner
+                head_only,
+                slice_config,
+                session_id,
+                data,
+                options,
+                policy,
+                tally,
+                started,
+                owner,
+                first,
             )
         except PlacementFailed as exc:
             return placement_failed(exc, slice_config, policy, kind, self.metrics)

@@ -46,12 +46,13 @@ from edge.callbacks import CallbackLimits, forward_callback
 from edge.classify import Kind, Local, Probe, Refused, Routed, classify
 from edge.config import EdgeConfig, ReplicaConfig, SliceConfig, load_config
 from edge.errors import ConfigError, RoutingError
+from edge.express import Express
 from edge.fastpath import FastConnection, FastLane, FastRequest
 from edge.fastpath import relay as fast_relay
 from edge.metrics import EdgeMetrics, Outcome, start_metrics_server
 from edge.proxy import EdgeAnswer, HttpProxy, answer
 from edge.retry import RetryPolicy
-from edge.upstream import UpstreamPool
+from edge.upstream import UpstreamPool, UpstreamResponse
 from edge.websocket import WebSocketProxy
 
 log = logging.getLogger("edge.server")
@@ -119,8 +120,10 @@ class Edge:
         self._ws = WebSocketProxy(self.metrics)
         self._limits = CallbackLimits(config.options)
         self._tasks: set[asyncio.Task[object]] = set()
+        self._express: set[Express] = set()  # commands in flight without a task
+        self.expressed = 0  # commands started as Express exchanges, for tests and debugging
         # Read at scrape time rather than counted per request.
-        self.metrics.in_flight.set_function(lambda: len(self._tasks))
+        self.metrics.in_flight.set_function(lambda: self.in_flight)
         self._idle = asyncio.Event()
         self._runner: web.ServerRunner | None = None
         self._listener: asyncio.Server | None = None
@@ -137,7 +140,7 @@ class Edge:
 
     @property
     def in_flight(self) -> int:
-        return len(self._tasks)
+        return len(self._tasks) + len(self._express)
 
     @property
     def fast_lane_handovers(self) -> int:
@@ -160,7 +163,9 @@ class Edge:
         )
         runner = web.ServerRunner(server, shutdown_timeout=1.0)
         await runner.setup()
-        self._lane = FastLane(self._serve_fast, server, lambda: self.runtime.config.options)
+        self._lane = FastLane(
+            self._serve_fast, server, lambda: self.runtime.config.options, self._try_express
+        )
         try:
             # Every connection starts on the fast lane, which hands what it does not serve
             # itself to aiohttp's handler (``server`` is its protocol factory).
@@ -212,18 +217,22 @@ class Edge:
             self._lane.close_idle()
         if runner is not None and runner.server is not None:
             runner.server.pre_shutdown()
-        if self._tasks:
-            log.info("draining: %d requests in progress, up to %g s", len(self._tasks), grace)
+        if self.in_flight:
+            log.info("draining: %d requests in progress, up to %g s", self.in_flight, grace)
             self._idle.clear()
             try:
                 async with asyncio.timeout(grace):
                     await self._idle.wait()
             except TimeoutError:
+                left_n = self.in_flight
+                log.warning("drain grace over: cancelling %d requests still running", left_n)
+                for exchange in list(self._express):
+                    exchange.cancel()
                 left = list(self._tasks)
-                log.warning("drain grace over: cancelling %d requests still running", len(left))
                 for task in left:
                     task.cancel()
-                await asyncio.wait(left, timeout=CANCEL_WAIT_S)
+                if left:
+                    await asyncio.wait(left, timeout=CANCEL_WAIT_S)
         if runner is not None:
             await runner.cleanup()
         if self._lane is not None:
@@ -269,10 +278,13 @@ class Edge:
             raise
         finally:
             self._tasks.discard(task)
-            if not self._tasks:
-                self._idle.set()
-            self._account(record)
-            accesslog.write(record, asyncio.get_running_loop().time() - started)
+            self._ended(record, started)
+
+    def _ended(self, record: AccessRecord, started: float) -> None:
+        if not self._tasks and not self._express:
+            self._idle.set()
+        self._account(record)
+        accesslog.write(record, asyncio.get_running_loop().time() - started)
 
     async def _serve_fast(
         self, request: FastRequest, decision: Routed, body: bytes, conn: FastConnection
@@ -280,12 +292,101 @@ class Edge:
         """A command from the fast lane: the same gates, placement, metrics and access line as
         :meth:`_handle` gives it, answered on the connection itself."""
         started = asyncio.get_running_loop().time()
-        record = AccessRecord("POST", request.target.partition("?")[0].partition("#")[0])
+        record = AccessRecord("POST", request.path)
         record.kind = Kind.COMMAND
         with self._in_flight(record, started):
             record.status, record.outcome = await self._command(
                 request, decision, body, conn, record, started
             )
+
+    def _try_express(
+        self, request: FastRequest, decision: Routed, body: bytes, conn: FastConnection
+    ) -> bool:
+        """Start a command as an :class:`Express` exchange when its owner has an idle pooled
+        connection (the usual case); False leaves it to :meth:`_serve_fast`, which also gives
+        every refusal (shedding, routing) its answer."""
+        runtime = self.runtime
+        options = runtime.config.options
+        if self.in_flight >= options.max_concurrent_requests:
+            return False
+        try:
+            route = runtime.route(decision.session_id)
+        except RoutingError:
+            return False
+        owner = route.owner
+        up = self.pool.idle_connection(owner.url)
+        if up is None:
+            return False
+        started = asyncio.get_running_loop().time()
+        record = AccessRecord("POST", request.path)
+        record.kind = Kind.COMMAND
+        tally = record.tally
+        tally.attempts = 1
+        tally.replica = owner.name
+        host = None if request.has_host else self.pool.origin(owner.url).host_header
+        exchange = Express(
+            self,
+            conn,
+            up,
+            record,
+            started,
+            data=request.upstream(body, host),
+            session_id=decision.session_id,
+            slice_config=route.slice_config,
+            owner=owner,
+            options=options,
+            policy=runtime.policy,
+        )
+        self._express.add(exchange)
+        self.expressed += 1
+        conn.job = exchange
+        exchange.start()
+        return True
+
+    # edge.express.Host
+
+    def express_placed(self, exchange: Express) -> None:
+        elapsed = asyncio.get_running_loop().time() - exchange.started
+        self.metrics.placement[Kind.COMMAND].observe(elapsed)
+
+    def express_ended(self, exchange: Express) -> None:
+        self._express.discard(exchange)
+        self._ended(exchange.record, exchange.started)
+
+    def express_promoted(self, exchange: Express, first: UpstreamResponse | None) -> None:
+        # The task is counted in flight before the exchange stops being, so a drain never sees
+        # a moment with neither.
+        task = exchange.conn.adopt(self._carry_on(exchange, first))
+        self._tasks.add(task)
+        self._express.discard(exchange)
+
+    async def _carry_on(self, exchange: Express, first: UpstreamResponse | None) -> None:
+        record = exchange.record
+        with self._in_flight(record, exchange.started):
+            placed: UpstreamResponse | EdgeAnswer
+            if first is None or first.status in (503, 421):
+                placed = await self._http.placed(
+                    False,
+                    Kind.COMMAND,
+                    exchange.data,
+                    exchange.slice_config,
+                    exchange.session_id,
+                    exchange.options,
+                    exchange.policy,
+                    record.tally,
+                    exchange.started,
+                    exchange.owner,
+                    first,
+                )
+            else:
+                self.express_placed(exchange)
+                placed = first
+            conn = exchange.conn
+            if isinstance(placed, EdgeAnswer):
+                conn.answer(placed.status, placed.text, retry_after=placed.retry_after)
+                record.status, record.outcome = placed.status, placed.outcome
+                return
+            record.status, record.outcome = await fast_relay(conn, placed, exchange.options, record)
 
     async def _command(
         self,
@@ -335,7 +436,7 @@ class Edge:
     def _account(self, record: AccessRecord) -> None:
         metrics = self.metrics
         kind = record.kind
-        metrics.requests[(kind, record.outcome)].inc()
+        metrics.requests[(kind, record.outcome)] += 1
         tally = record.tally
         if tally.attempts > 1 or tally.misdirected or tally.unreachable:
             # Only placements that met a refusal have anything to add.

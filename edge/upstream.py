@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, cast
 from urllib.parse import urlsplit
@@ -93,6 +94,11 @@ class UpstreamResponse:
     def complete(self) -> bool:
         """The whole body has arrived (it may still be unread)."""
         return self._done and self._error is None
+
+    @property
+    def failed(self) -> bool:
+        """The body broke off (reading it would raise)."""
+        return self._error is not None
 
     def body_if_complete(self) -> bytes | None:
         """The whole body, if it has all arrived; else ``None`` (nothing is consumed then)."""
@@ -194,6 +200,9 @@ class _Connection(asyncio.Protocol):
         self._headers_waiter: asyncio.Future[UpstreamResponse] | None = None
         self._response: UpstreamResponse | None = None
         self._timer: asyncio.TimerHandle | None = None
+        # Called after every batch of bytes and when the connection is lost, for a caller that
+        # follows the exchange with callbacks instead of awaiting it (edge.express).
+        self.listener: Callable[[], None] | None = None
 
     # --- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -213,6 +222,8 @@ class _Connection(asyncio.Protocol):
             self._error(UpstreamBadResponse(f"{self.origin.url} switched protocols unasked"))
         except httptools.HttpParserError as exc:
             self._error(UpstreamBadResponse(f"{self.origin.url} sent invalid HTTP: {exc}"))
+        if self.listener is not None:
+            self.listener()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -233,6 +244,8 @@ class _Connection(asyncio.Protocol):
                 response._finish(keep_alive=False)
             else:
                 response._fail(UpstreamBadResponse(f"{self.origin.url} broke off the response"))
+        if self.listener is not None:
+            self.listener()
 
     # --- httptools callbacks -------------------------------------------------------------------
 
@@ -307,6 +320,8 @@ class _Connection(asyncio.Protocol):
     def _timed_out(self, after: float) -> None:
         self._timer = None
         self._error(UpstreamTimeout(f"{self.origin.url} sent no response headers in {after:g} s"))
+        if self.listener is not None:
+            self.listener()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -344,11 +359,16 @@ class _Connection(asyncio.Protocol):
         self._response = None
         self._headers_waiter = None
         self._busy = False
+        self.listener = None
         if self.closed or not response.complete or not response.keep_alive:
             self.abort()
             return
         self.resume()
         self._pool._put(self)
+
+
+# For callers that drive an exchange themselves (edge.express).
+UpstreamConnection = _Connection
 
 
 class UpstreamPool:
@@ -406,6 +426,12 @@ class UpstreamPool:
         except BaseException:
             conn.abort()
             raise
+
+    def idle_connection(self, url: str) -> UpstreamConnection | None:
+        """A pooled connection to ``url`` ready for an exchange, if there is one (the caller
+        sends on it with ``send`` and must ``finish`` or ``abort`` it)."""
+        stack = self._idle.get(url)
+        return self._take_idle(self.origin(url)) if stack else None
 
     def _take_idle(self, origin: Origin) -> _Connection | None:
         stack = self._idle.get(origin.url)

@@ -5,6 +5,7 @@ from edge.headers import (
     connection_tokens,
     is_chunked,
     request_head,
+    response_fields,
     response_headers,
     websocket_headers,
     websocket_protocols,
@@ -69,6 +70,26 @@ def test_response_headers() -> None:
         ("X-Session-Id", "a07-s1.x"),
     ]
     assert ("Content-Length", "9") not in response_headers(upstream, keep_length=False)
+
+
+def test_response_fields_agree_with_response_headers() -> None:
+    plain = [
+        (b"date", b"Sun, 29 Nov 2026 17:00:00 GMT"),
+        (b"content-length", b"9"),
+        (b"Keep-Alive", b"timeout=5"),
+        (b"content-type", b"application/json"),
+    ]
+    listed = [*plain, (b"Connection", b"close, X-Gone"), (b"X-Gone", b"1"), (b"X-Kept", b"2")]
+    for upstream in (plain, listed):
+        expected = b"".join(
+            n.encode() + b": " + v.encode() + b"\r\n"
+            for n, v in response_headers(upstream, keep_length=False)
+        )
+        assert response_fields(upstream) == expected
+    assert response_fields(plain) == (
+        b"date: Sun, 29 Nov 2026 17:00:00 GMT\r\ncontent-type: application/json\r\n"
+    )
+    assert b"X-Gone" not in response_fields(listed) and b"X-Kept: 2" in response_fields(listed)
 
 
 def test_websocket_fields() -> None:

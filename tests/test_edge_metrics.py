@@ -24,8 +24,26 @@ def test_every_child_exists_at_zero() -> None:
 
 def test_a_label_outside_the_vocabulary_is_caught() -> None:
     metrics = EdgeMetrics()
-    metrics._requests.labels("command", "a07-s1.leak").inc()
-    assert metrics.check_vocabulary() == ["outcome='a07-s1.leak'"]
+    metrics._retries.labels("a07-s1.leak").inc()
+    assert metrics.check_vocabulary() == ["kind='a07-s1.leak'"]
+
+
+def test_per_request_tallies_are_exposed_as_counters_and_histograms() -> None:
+    metrics = EdgeMetrics()
+    metrics.requests[(Kind.COMMAND, Outcome.DELIVERED)] += 3
+    latency = metrics.placement[Kind.COMMAND]
+    for seconds in (0.0004, 0.0005, 0.003, 500.0):
+        latency.observe(seconds)
+    text = metrics.render().decode()
+    assert 'edge_requests_total{kind="command",outcome="delivered"} 3.0' in text
+    assert 'edge_placement_seconds_bucket{kind="command",le="0.0005"} 2.0' in text  # le: <=
+    assert 'edge_placement_seconds_bucket{kind="command",le="0.001"} 2.0' in text
+    assert 'edge_placement_seconds_bucket{kind="command",le="0.005"} 3.0' in text
+    assert 'edge_placement_seconds_bucket{kind="command",le="120.0"} 3.0' in text
+    assert 'edge_placement_seconds_bucket{kind="command",le="+Inf"} 4.0' in text
+    assert 'edge_placement_seconds_count{kind="command"} 4.0' in text
+    assert 'edge_placement_seconds_sum{kind="command"} 500.0039' in text
+    assert metrics.check_vocabulary() == []
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.9.9.9", "::1", "localhost"])

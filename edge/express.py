@@ -1,0 +1,208 @@
+"""A command's usual life without a task: the owner's answer relayed from callbacks.
+
+Most commands go to the session's owner over a pooled keep-alive connection, and the owner
+answers at once with a short, complete body. For that case the fast lane does not need a task,
+a chain of coroutines and futures: :class:`Express` writes the request on an idle pooled
+connection and follows the exchange through the connection's ``listener`` callback, and when the
+answer is whole it writes it to the client in one go, returns the connection to the pool and
+accounts the request, all from the event loop's own callbacks.
+
+Anything else is handed to the ordinary path with what is known so far (``promote``), in a task
+that carries on exactly where express stopped:
+
+- the owner refused (503 or 421): the retry planner takes over with that refusal as the first
+  answer;
+- the pooled connection turned out closed before any byte came back: placement starts from the
+  beginning (nothing was answered, as when the pool retries such a connection itself);
+- the answer is long, unframed, or breaks off: it is relayed, streamed or reported by the
+  ordinary relay.
+
+What express answers itself is what the ordinary path would: a timeout before the headers is
+504, bytes that are not HTTP are 502, a body that stalls within ``upstream_header_timeout_s`` is
+504. A client that goes away (or a drain that runs out of grace) cancels the exchange: the
+replica connection is aborted, as cancelling a task would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+from edge.accesslog import AccessRecord
+from edge.config import EdgeOptions, ReplicaConfig, SliceConfig
+from edge.errors import UpstreamTimeout, UpstreamUnavailable
+from edge.fastpath import FastConnection, response_head
+from edge.headers import declared_length
+from edge.metrics import Outcome
+from edge.proxy import COALESCE_LIMIT, EdgeAnswer
+from edge.retry import RetryPolicy
+from edge.upstream import UpstreamConnection, UpstreamResponse
+
+log = logging.getLogger("edge.express")
+
+_REFUSALS = (503, 421)
+
+
+class Host(Protocol):
+    """What an express exchange needs from the edge serving it."""
+
+    def express_placed(self, exchange: Express) -> None:
+        """The owner answered and the answer is being delivered (placement latency)."""
+
+    def express_ended(self, exchange: Express) -> None:
+        """The exchange is over and answered, or the client has gone: account it."""
+
+    def express_promoted(self, exchange: Express, first: UpstreamResponse | None) -> None:
+        """Carry on in a task from ``first`` (None: from the beginning)."""
+
+
+class Express:
+    """One command's exchange with its owner, followed by callbacks (see the module doc)."""
+
+    __slots__ = (
+        "conn",
+        "data",
+        "host",
+        "options",
+        "over",
+        "owner",
+        "policy",
+        "record",
+        "session_id",
+        "slice_config",
+        "started",
+        "timer",
+        "up",
+        "waiter",
+    )
+
+    def __init__(
+        self,
+        host: Host,
+        conn: FastConnection,
+        up: UpstreamConnection,
+        record: AccessRecord,
+        started: float,
+        *,
+        data: bytes,
+        session_id: str,
+        slice_config: SliceConfig,
+        owner: ReplicaConfig,
+        options: EdgeOptions,
+        policy: RetryPolicy,
+    ) -> None:
+        self.host = host
+        self.conn = conn
+        self.up = up
+        self.record = record
+        self.started = started
+        # What the ordinary path needs if it has to carry on.
+        self.data = data
+        self.session_id = session_id
+        self.slice_config = slice_config
+        self.owner = owner
+        self.options = options
+        self.policy = policy
+        self.over = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.waiter: asyncio.Future[UpstreamResponse] | None = None
+
+    def start(self) -> None:
+        """Send the request on the pooled connection."""
+        self.up.listener = self._progress
+        self.waiter = self.up.send(self.data, self.options.upstream_header_timeout_s, False)
+
+    def cancel(self) -> None:
+        """The client went away, or a drain ran out of grace: drop the exchange."""
+        if self.over:
+            return
+        self._detach()
+        self.up.abort()
+        if not self.record.status:
+            self.record.outcome = Outcome.CLIENT_GONE
+        self.over = True
+        self.host.express_ended(self)
+        self.conn.abort()
+
+    # --- following the exchange ----------------------------------------------------------------
+
+    def _progress(self) -> None:
+        waiter = self.waiter
+        if self.over or waiter is None or not waiter.done():
+            return
+        error = waiter.exception()
+        if error is not None:
+            self._detach()
+            self.up.abort()
+            if isinstance(error, UpstreamUnavailable):
+                self._promote(None)  # the pooled connection was dead: nothing was answered
+            elif isinstance(error, UpstreamTimeout):
+                log.warning("%s", error)
+                text = f"replica {self.record.tally.replica} did not answer in time"
+                self._answer(EdgeAnswer(504, text, Outcome.TIMED_OUT))
+            else:
+                log.warning("%s", error)
+                text = f"replica {self.record.tally.replica} sent an unusable answer"
+                self._answer(EdgeAnswer(502, text, Outcome.UPSTREAM_ERROR))
+            return
+        response = waiter.result()
+        if response.status in _REFUSALS:
+            self._detach()
+            self._promote(response)
+            return
+        body = response.body_if_complete()
+        if body is not None:
+            self._deliver(response, body)
+            return
+        length = declared_length(response.headers)
+        if response.failed or length is None or length > COALESCE_LIMIT:
+            self._detach()
+            self._promote(response)  # streamed, or reported broken, by the ordinary relay
+            return
+        if self.timer is None:  # a short body still on its way: wait for it, not forever
+            loop = asyncio.get_running_loop()
+            self.timer = loop.call_later(self.options.upstream_header_timeout_s, self._stalled)
+
+    def _stalled(self) -> None:
+        self.timer = None
+        if self.over:
+            return
+        self._detach()
+        self.up.abort()
+        log.warning("a replica stalled mid-answer; answering 504")
+        self._answer(EdgeAnswer(504, "the replica stalled mid-answer", Outcome.TIMED_OUT))
+
+    def _detach(self) -> None:
+        self.up.listener = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    # --- ending it ---------------------------------------------------------------------------
+
+    def _deliver(self, response: UpstreamResponse, body: bytes) -> None:
+        self._detach()
+        self.host.express_placed(self)
+        conn = self.conn
+        status = response.status
+        conn.write(
+            response_head(status, response.headers, length=len(body), close=conn.must_close) + body
+        )
+        response.release()
+        self._end(status, Outcome.DELIVERED)
+
+    def _answer(self, answer: EdgeAnswer) -> None:
+        self.conn.answer(answer.status, answer.text, retry_after=answer.retry_after)
+        self._end(answer.status, answer.outcome)
+
+    def _end(self, status: int, outcome: Outcome) -> None:
+        self.over = True
+        self.record.status = status
+        self.record.outcome = outcome
+        self.host.express_ended(self)
+        self.conn.job_done()
+
+    def _promote(self, first: UpstreamResponse | None) -> None:
+        self.over = True
+        self.host.express_promoted(self, first)
