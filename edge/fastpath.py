@@ -51,13 +51,16 @@ log = logging.getLogger("edge.fastpath")
 KEEPALIVE_S: Final = 75.0
 
 _METHOD: Final = b"POST "
-_REQUEST_LINE: Final = re.compile(rb"POST (/[\x21-\x7e]*) HTTP/1\.1")
-_HEADER_LINE: Final = re.compile(
-    rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*((?:[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?)?)"
-)
+_FIELD: Final = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[ \t]*(?:[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?)?"
+# The whole head in one match: the request line, then header lines each of the form above.
+# Every line must begin with its CRLF and no field can hold a CR or LF, so the match is linear
+# and splitting the block on CRLF gives back exactly the lines it matched.
+_HEAD: Final = re.compile(rb"POST (/[\x21-\x7e]*) HTTP/1\.1((?:\r\n" + _FIELD + rb")*)")
 # Requests carrying these take the full path (body framing and handshakes are its business).
 _NOT_FAST: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 _CONNECTION_OPTIONS: Final = frozenset({b"close", b"keep-alive"})
+# Fields parse_head looks at (the rest are passed on as they are).
+_NOTED: Final = REFRAMED | _NOT_FAST | {b"host", b"authorization"}
 _NO_BODY_STATUS: Final = frozenset({204, 304})
 _DECISIONS: Final = 4096  # remembered classifications per lane
 _DECISION_KEY_MAX: Final = 2048  # bytes of target and Authorization values worth remembering
@@ -94,21 +97,23 @@ class FastRequest:
 def parse_head(head: bytes) -> FastRequest | None:
     """The request line and header block (without the blank line) of a plain command, or None
     when anything about it is not in the canonical form the fast lane serves."""
-    lines = head.split(b"\r\n")
-    line = _REQUEST_LINE.fullmatch(lines[0])
-    if line is None:
+    matched = _HEAD.fullmatch(head)
+    if matched is None:
         return None
     headers: list[tuple[bytes, bytes]] = []
     forward: list[bytes] = []
     length: int | None = None
     close = has_host = False
     authorization: list[bytes] = []
-    for raw in lines[1:]:
-        field = _HEADER_LINE.fullmatch(raw)
-        if field is None:
-            return None
-        name, value = field.group(1), field.group(2)
+    block = matched.group(2)
+    for raw in block.split(b"\r\n")[1:] if block else ():
+        name, _, value = raw.partition(b":")
+        value = value.lstrip(b" \t")
         lower = name.lower()
+        headers.append((name, value))
+        if lower not in _NOTED:
+            forward.append(name + b": " + value)
+            continue
         if lower == b"content-length":
             if length is not None or not value.isdigit() or len(value) > 15:
                 return None
@@ -124,16 +129,14 @@ def parse_head(head: bytes) -> FastRequest | None:
             has_host = True
         elif lower == b"authorization":
             authorization.append(value)
-        headers.append((name, value))
         if lower not in REFRAMED:  # what request_head drops: hop-by-hop and old framing
-            forward.append(name + b": " + value + b"\r\n")
+            forward.append(name + b": " + value)
     if length is None:
         return None
-    target = line.group(1).decode("ascii")
+    target = matched.group(1).decode("ascii")
     path = target.partition("?")[0].partition("#")[0]
-    return FastRequest(
-        target, path, headers, length, close, b"".join(forward), has_host, tuple(authorization)
-    )
+    lines = b"\r\n".join(forward) + b"\r\n" if forward else b""
+    return FastRequest(target, path, headers, length, close, lines, has_host, tuple(authorization))
 
 
 def response_head(
