@@ -34,7 +34,7 @@ REPLICA = (
     "sse_catchup_cold_ms",
     "sse_catchup_warm_p50_ms",
 )
-_PATHS = ("direct", "edge", "nginx")
+_PATHS = ("direct", "edge", "nginx", "pyrelay")
 EDGE = (
     *(
         f"{prefix}_{path}_{stat}"
@@ -57,6 +57,9 @@ EDGE = (
     "fast_c8_edge_over_nginx_rps",
     "edge_cpu_ms_per_request",
     "post_c8_nginx_cpu_ms_per_request",
+    "post_c8_pyrelay_cpu_ms_per_request",
+    "post_c8_edge_over_pyrelay_cpu",
+    "post_c1_pyrelay_added_p50_ms",
     "replica_cpu_ms_per_turn",
     "edge_cpu_per_request_over_replica_cpu_per_turn",
 )
