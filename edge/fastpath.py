@@ -40,7 +40,13 @@ from edge.accesslog import AccessRecord
 from edge.classify import Classified, Kind, Routed, classify
 from edge.config import EdgeOptions
 from edge.errors import UpstreamError
-from edge.headers import REFRAMED, RawHeaders, declared_length, response_fields
+from edge.headers import (
+    CANONICAL_FIELD,
+    REFRAMED,
+    RawHeaders,
+    declared_length,
+    response_fields,
+)
 from edge.metrics import Outcome
 from edge.proxy import EdgeAnswer, whole_body
 from edge.upstream import UpstreamResponse
@@ -51,11 +57,10 @@ log = logging.getLogger("edge.fastpath")
 KEEPALIVE_S: Final = 75.0
 
 _METHOD: Final = b"POST "
-_FIELD: Final = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[ \t]*(?:[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?)?"
 # The whole head in one match: the request line, then header lines each of the form above.
 # Every line must begin with its CRLF and no field can hold a CR or LF, so the match is linear
 # and splitting the block on CRLF gives back exactly the lines it matched.
-_HEAD: Final = re.compile(rb"POST (/[\x21-\x7e]*) HTTP/1\.1((?:\r\n" + _FIELD + rb")*)")
+_HEAD: Final = re.compile(rb"POST (/[\x21-\x7e]*) HTTP/1\.1((?:\r\n" + CANONICAL_FIELD + rb")*)")
 # Requests carrying these take the full path (body framing and handshakes are its business).
 _NOT_FAST: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 _CONNECTION_OPTIONS: Final = frozenset({b"close", b"keep-alive"})

@@ -4,9 +4,10 @@ drain.
 Every connection starts on the fast lane (:mod:`edge.fastpath`), which serves plain commands
 straight off the socket (when the owner has an idle pooled connection, as an
 :mod:`edge.express` exchange driven by callbacks alone) and hands anything else, with the bytes
-it has read, to aiohttp's low-level server for the rest of the connection. There, requests are dispatched by
-:func:`edge.classify.classify` rather than a router: the edge has a handful of routes and the
-hot path should not pay for URL matching, middlewares or an application object per request.
+it has read, to aiohttp's low-level server for the rest of the connection. There, requests are
+dispatched by :func:`edge.classify.classify` rather than a router: the edge has a handful of
+routes and the hot path should not pay for URL matching, middlewares or an application object
+per request.
 Each handler runs with ``handler_cancellation`` on, and the fast lane cancels likewise, so a
 client that goes away cancels its request wherever it is: in placement (no more retries; the
 replica connection is aborted), in a stream, or in a WebSocket relay.

@@ -27,6 +27,7 @@ Rules it keeps:
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 from collections import deque
 from collections.abc import Callable
@@ -37,11 +38,52 @@ from urllib.parse import urlsplit
 import httptools
 
 from edge.errors import UpstreamBadResponse, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from edge.headers import CANONICAL_FIELD
 
 _HIGH_WATER: Final = 256 * 1024
 _LOW_WATER: Final = 64 * 1024
 DEFAULT_IDLE_TTL_S: Final = 3.0
 DEFAULT_MAX_IDLE: Final = 64
+
+# A whole response in canonical form: status line, header lines, blank line (the body follows).
+_CANONICAL_HEAD: Final = re.compile(
+    rb"HTTP/1\.1 ([2-5][0-9][0-9]) [\x20-\x7e]*((?:\r\n" + CANONICAL_FIELD + rb")*)\r\n\r\n"
+)
+# Fields after which llhttp's reading of a response depends on more than Content-Length.
+_NOT_PLAIN: Final = frozenset({b"transfer-encoding", b"connection", b"upgrade"})
+_QUICK_BODY_LIMIT: Final = 64 * 1024
+
+
+def plain_response(data: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+    """``data`` as (status, header pairs, body) when it is exactly one whole HTTP/1.1 response
+    in the plainest form (a 2xx-5xx status other than 204 and 304, canonical header lines, one
+    ``Content-Length`` and the body it announces, nothing after it, no ``Connection``,
+    ``Transfer-Encoding`` or ``Upgrade``), read as llhttp reads it and reusable afterwards;
+    None for anything else, which llhttp then parses."""
+    matched = _CANONICAL_HEAD.match(data)
+    if matched is None:
+        return None
+    status = int(matched.group(1))
+    if status == 204 or status == 304:
+        return None
+    headers: list[tuple[bytes, bytes]] = []
+    length = -1
+    block = matched.group(2)
+    for raw in block.split(b"\r\n")[1:] if block else ():
+        name, _, value = raw.partition(b":")
+        value = value.lstrip(b" \t")
+        lower = name.lower()
+        if lower == b"content-length":
+            if length >= 0 or not value.isdigit() or len(value) > 15:
+                return None
+            length = int(value)
+        elif lower in _NOT_PLAIN:
+            return None
+        headers.append((name, value))
+    start = matched.end()
+    if length < 0 or length > _QUICK_BODY_LIMIT or len(data) - start != length:
+        return None
+    return status, headers, data[start:]
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +257,16 @@ class _Connection(asyncio.Protocol):
             # A replica has nothing to say between exchanges: this connection is unusable.
             self.abort()
             return
+        if not self.received and not self._head_only:
+            # The usual answer arrives whole in one read: take it without llhttp's callbacks,
+            # leaving the parser where it was, between messages.
+            whole = plain_response(data)
+            if whole is not None:
+                self.received = True
+                self._whole(*whole)
+                if self.listener is not None:
+                    self.listener()
+                return
         self.received = True
         try:
             self._parser.feed_data(data)
@@ -246,6 +298,21 @@ class _Connection(asyncio.Protocol):
                 response._fail(UpstreamBadResponse(f"{self.origin.url} broke off the response"))
         if self.listener is not None:
             self.listener()
+
+    def _whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """What llhttp's callbacks make of a plain response (see ``plain_response``)."""
+        self._cancel_timer()
+        response = UpstreamResponse(self, status, headers)
+        self._response = response
+        self._close_delimited = False
+        if body:
+            response._chunks.append(body)
+            response._buffered = len(body)
+        response.keep_alive = True
+        response._done = True
+        waiter = self._headers_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(response)
 
     # --- httptools callbacks -------------------------------------------------------------------
 

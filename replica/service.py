@@ -33,6 +33,7 @@ from replica.app import ReplicaApp
 from replica.callbacks import CallbackHandler
 from replica.commands import CommandDeps
 from replica.config import ServeConfig
+from replica.corking import CorkedHttp
 from replica.errors import ReplicaError
 from replica.grants import GrantVerifier
 from replica.jobs import Reconciler
@@ -243,6 +244,7 @@ class ReplicaService:
                 lifespan="off",
                 log_level="warning",
                 access_log=False,
+                http=CorkedHttp,  # a small answer leaves in one write, not head then body
                 ws=_WebSockets,
                 ws_max_size=WS_MAX_BYTES,
                 # Frames are small JSON on loopback or a LAN: compressing each costs more CPU

@@ -4,10 +4,13 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+import httptools
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edge.errors import UpstreamBadResponse, UpstreamTimeout, UpstreamUnavailable
-from edge.upstream import Origin, UpstreamPool
+from edge.upstream import Origin, UpstreamPool, plain_response
 from fleet_sim.ports import free_port
 
 Conn = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -283,3 +286,87 @@ def test_origin_parsing() -> None:
     assert Origin.parse("https://[::1]:8443").host_header == b"[::1]:8443"
     with pytest.raises(ValueError, match="origin"):
         Origin.parse("ftp://x:1")
+
+
+# --- plain responses read without llhttp's callbacks -------------------------------------------
+
+
+class _Read:
+    """What llhttp makes of some bytes: status, header pairs, body, keep-alive, completeness."""
+
+    def __init__(self, data: bytes) -> None:
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body = b""
+        self.complete = self.keep_alive = False
+        self.parser = httptools.HttpResponseParser(self)
+        self.parser.feed_data(data)
+        self.status = self.parser.get_status_code()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()  # as the pool reads it
+
+
+_NAMES = st.sampled_from(
+    [b"content-type", b"Date", b"server", b"X-Id", b"content-length", b"Connection",
+     b"transfer-encoding", b"Upgrade", b"Keep-Alive"]
+)  # fmt: skip
+_VALUES = st.one_of(
+    st.sampled_from([b"text/plain", b"a b", b"", b"close", b"chunked", b"5", b"v "]),
+    st.sampled_from([b"application/json", b"Sun, 29 Nov 2026 17:00:00 GMT", b"uvicorn"]),
+    st.binary(max_size=12).filter(lambda v: b"\r" not in v and b"\n" not in v),
+)
+
+
+@settings(max_examples=400)
+@given(
+    status=st.one_of(st.integers(200, 599), st.integers(100, 199)),
+    fields=st.lists(
+        st.tuples(_NAMES, st.sampled_from([b": ", b":", b":  ", b":\t"]), _VALUES), max_size=4
+    ),
+    body=st.binary(max_size=40),
+    length=st.one_of(st.just(-1), st.none(), st.integers(0, 50)),  # -1: the body's own
+    tail=st.one_of(st.just(b""), st.sampled_from([b"x", b"HTTP/1.1 200 OK\r\n"])),
+)
+def test_a_plain_response_is_read_as_llhttp_reads_it(
+    status: int,
+    fields: list[tuple[bytes, bytes, bytes]],
+    body: bytes,
+    length: int | None,
+    tail: bytes,
+) -> None:
+    lines = [b"HTTP/1.1 %d Reason Here" % status]
+    lines += [name + sep + value for name, sep, value in fields]
+    if length is not None:
+        lines.append(b"Content-Length: %d" % (len(body) if length < 0 else length))
+    data = b"\r\n".join(lines) + b"\r\n\r\n" + body + tail
+    plain = plain_response(data)
+    if plain is None:
+        return
+    read = _Read(data)
+    assert read.complete and read.keep_alive
+    assert (read.status, read.headers, read.body) == plain
+
+
+def test_plain_responses_and_what_is_left_to_llhttp() -> None:
+    ok = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 5\r\n\r\nhello"
+    fields = [(b"content-type", b"text/plain"), (b"content-length", b"5")]
+    assert plain_response(ok) == (200, fields, b"hello")
+    for other in (
+        ok[:-1],  # the body is not all here yet
+        ok + b"HTTP/1.1",  # more than one message
+        ok.replace(b"200 OK", b"204 No Content"),
+        ok.replace(b"HTTP/1.1", b"HTTP/1.0"),
+        ok.replace(b"content-type", b"connection: close\r\ncontent-type"),
+        ok.replace(b"content-length: 5", b"transfer-encoding: chunked"),
+        ok.replace(b"content-type: text/plain", b"content-length: 5"),  # two lengths
+        ok.replace(b"text/plain", b"text/plain "),  # a trailing space
+        ok.replace(b"200 OK", b"101 Switching"),
+    ):
+        assert plain_response(other) is None, other
