@@ -134,11 +134,17 @@ class Edge:
         self.host = ""
         self.port = 0
         self.metrics_port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+    def _now(self) -> float:
+        loop = self._loop
+        assert loop is not None, "the edge is not started"
+        return loop.time()
 
     @property
     def in_flight(self) -> int:
@@ -155,6 +161,8 @@ class Edge:
         self, host: str, port: int, *, metrics_host: str | None = None, metrics_port: int = 0
     ) -> None:
         install_redaction()
+        # Kept rather than asked for per request: asking costs a getpid() system call.
+        self._loop = asyncio.get_running_loop()
         options = self.runtime.config.options
         server = web.Server(
             self._handle,
@@ -249,7 +257,7 @@ class Edge:
     # --- requests ------------------------------------------------------------------------------
 
     async def _handle(self, request: BaseRequest) -> web.StreamResponse:
-        started = asyncio.get_running_loop().time()
+        started = self._now()
         target = request.raw_path
         if not target.isascii():
             # aiohttp hands over the raw bytes decoded as UTF-8 with surrogates; the replica
@@ -286,14 +294,14 @@ class Edge:
         if not self._tasks and not self._express:
             self._idle.set()
         self._account(record)
-        accesslog.write(record, asyncio.get_running_loop().time() - started)
+        accesslog.write(record, self._now() - started)
 
     async def _serve_fast(
         self, request: FastRequest, decision: Routed, body: bytes, conn: FastConnection
     ) -> None:
         """A command from the fast lane: the same gates, placement, metrics and access line as
         :meth:`_handle` gives it, answered on the connection itself."""
-        started = asyncio.get_running_loop().time()
+        started = self._now()
         record = AccessRecord("POST", request.path)
         record.kind = Kind.COMMAND
         with self._in_flight(record, started):
@@ -319,7 +327,7 @@ class Edge:
         up = self.pool.idle_connection(owner.url)
         if up is None:
             return False
-        started = asyncio.get_running_loop().time()
+        started = self._now()
         record = AccessRecord("POST", request.path)
         record.kind = Kind.COMMAND
         tally = record.tally
@@ -348,7 +356,7 @@ class Edge:
     # edge.express.Host
 
     def express_placed(self, exchange: Express) -> None:
-        elapsed = asyncio.get_running_loop().time() - exchange.started
+        elapsed = self._now() - exchange.started
         self.metrics.placement[Kind.COMMAND].observe(elapsed)
 
     def express_ended(self, exchange: Express) -> None:

@@ -167,7 +167,7 @@ class UpstreamResponse:
                 raise self._error
             if self._done:
                 return b""
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = self._conn._loop.create_future()
             try:
                 await waiter
             except BaseException:
@@ -504,7 +504,7 @@ class UpstreamPool:
         stack = self._idle.get(origin.url)
         if not stack:
             return None
-        oldest_usable = asyncio.get_running_loop().time() - self._idle_ttl_s
+        oldest_usable = stack[-1]._loop.time() - self._idle_ttl_s
         while stack:
             conn = stack.pop()
             if not conn.closed and conn.idle_since >= oldest_usable:
@@ -520,7 +520,7 @@ class UpstreamPool:
         if len(stack) >= self._max_idle:
             conn.abort()
             return
-        conn.idle_since = asyncio.get_running_loop().time()
+        conn.idle_since = conn._loop.time()
         stack.append(conn)
 
     async def _connect(self, origin: Origin, connect_s: float) -> _Connection:
