@@ -74,7 +74,6 @@ class Express:
         "started",
         "timer",
         "up",
-        "waiter",
     )
 
     def __init__(
@@ -106,12 +105,11 @@ class Express:
         self.policy = policy
         self.over = False
         self.timer: asyncio.TimerHandle | None = None
-        self.waiter: asyncio.Future[UpstreamResponse] | None = None
 
     def start(self) -> None:
         """Send the request on the pooled connection."""
         self.up.listener = self._progress
-        self.waiter = self.up.send(self.data, self.options.upstream_header_timeout_s, False)
+        self.up.start(self.data, self.options.upstream_header_timeout_s)
 
     def cancel(self) -> None:
         """The client went away, or a drain ran out of grace: drop the exchange."""
@@ -128,11 +126,13 @@ class Express:
     # --- following the exchange ----------------------------------------------------------------
 
     def _progress(self) -> None:
-        waiter = self.waiter
-        if self.over or waiter is None or not waiter.done():
+        if self.over:
             return
-        error = waiter.exception()
-        if error is not None:
+        response = self.up.response
+        if response is None:
+            error = self.up.failure
+            if error is None:
+                return  # the head is not in yet
             self._detach()
             self.up.abort()
             if isinstance(error, UpstreamUnavailable):
@@ -146,7 +146,6 @@ class Express:
                 text = f"replica {self.record.tally.replica} sent an unusable answer"
                 self._answer(EdgeAnswer(502, text, Outcome.UPSTREAM_ERROR))
             return
-        response = waiter.result()
         if response.status in _REFUSALS:
             self._detach()
             self._promote(response)

@@ -240,6 +240,8 @@ class _Connection(asyncio.Protocol):
         self._close_delimited = False
         self._header_list: list[tuple[bytes, bytes]] = []
         self._headers_waiter: asyncio.Future[UpstreamResponse] | None = None
+        # Why the exchange ended before any answer (for a caller following it by ``listener``).
+        self.failure: UpstreamError | None = None
         self._response: UpstreamResponse | None = None
         self._timer: asyncio.TimerHandle | None = None
         # Called after every batch of bytes and when the connection is lost, for a caller that
@@ -280,16 +282,17 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._cancel_timer()
+        if self._busy and self._response is None and self.failure is None:
+            self.failure = (
+                UpstreamBadResponse(f"{self.origin.url} closed the connection mid-response")
+                if self.received
+                else UpstreamUnavailable(
+                    f"{self.origin.url} closed the connection before answering"
+                )
+            )
         waiter = self._headers_waiter
-        if waiter is not None and not waiter.done():
-            if self.received:
-                waiter.set_exception(
-                    UpstreamBadResponse(f"{self.origin.url} closed the connection mid-response")
-                )
-            else:
-                waiter.set_exception(
-                    UpstreamUnavailable(f"{self.origin.url} closed the connection before answering")
-                )
+        if waiter is not None and not waiter.done() and self.failure is not None:
+            waiter.set_exception(self.failure)
         response = self._response
         if response is not None and not response._done:
             if self._close_delimited:
@@ -373,16 +376,28 @@ class _Connection(asyncio.Protocol):
     def send(
         self, data: bytes, header_timeout: float | None, head_only: bool
     ) -> asyncio.Future[UpstreamResponse]:
+        """Start an exchange; the future has the response once its head is in."""
+        waiter = self._headers_waiter = self._loop.create_future()
+        self.start(data, header_timeout, head_only)
+        return waiter
+
+    def start(self, data: bytes, header_timeout: float | None, head_only: bool = False) -> None:
+        """Start an exchange followed through ``listener``: ``response`` once its head is in,
+        or ``failure``."""
         assert self.transport is not None
         self._busy = True
         self.received = False
         self._head_only = head_only
         self._response = None
-        waiter = self._headers_waiter = self._loop.create_future()
+        self.failure = None
         if header_timeout is not None:
             self._timer = self._loop.call_later(header_timeout, self._timed_out, header_timeout)
         self.transport.write(data)
-        return waiter
+
+    @property
+    def response(self) -> UpstreamResponse | None:
+        """The current exchange's response, once its head has arrived."""
+        return self._response
 
     def _timed_out(self, after: float) -> None:
         self._timer = None
@@ -396,6 +411,8 @@ class _Connection(asyncio.Protocol):
             self._timer = None
 
     def _error(self, error: UpstreamError) -> None:
+        if self._response is None and self.failure is None:
+            self.failure = error
         waiter = self._headers_waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(error)
