@@ -69,7 +69,9 @@ _NOTED: Final = REFRAMED | _NOT_FAST | {b"host", b"authorization"}
 _NO_BODY_STATUS: Final = frozenset({204, 304})
 _DECISIONS: Final = 4096  # remembered classifications per lane
 _DECISION_KEY_MAX: Final = 2048  # bytes of target and Authorization values worth remembering
-_REASONS: Final = {s.value: s.phrase.encode("ascii") for s in HTTPStatus}
+_STATUS_LINES: Final = {
+    s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode("ascii")) for s in HTTPStatus
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +156,8 @@ def response_head(
 ) -> bytes:
     """A status line and header block for the client: the replica's fields minus hop-by-hop
     ones and its framing, then the edge's own framing."""
-    reason = _REASONS.get(status, b"")
-    parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason), response_fields(headers)]
+    line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status
+    parts = [line, response_fields(headers)]
     if length is not None:
         parts.append(b"Content-Length: %d\r\n" % length)
     elif chunked:

@@ -515,7 +515,12 @@ class UpstreamPool:
         """A pooled connection to ``url`` ready for an exchange, if there is one (the caller
         sends on it with ``send`` and must ``finish`` or ``abort`` it)."""
         stack = self._idle.get(url)
-        return self._take_idle(self.origin(url)) if stack else None
+        while stack:
+            conn = stack.pop()
+            if not conn.closed and conn.idle_since >= conn._loop.time() - self._idle_ttl_s:
+                return conn
+            conn.abort()
+        return None
 
     def _take_idle(self, origin: Origin) -> _Connection | None:
         stack = self._idle.get(origin.url)
