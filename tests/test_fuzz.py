@@ -44,7 +44,7 @@ def test_every_harness_runs_its_inputs_without_a_crash() -> None:
     result = _driver("--runs", str(CI_RUNS), "--jobs", "2")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     lines = {m[0]: (m[1], m[2]) for m in _LINE.findall(result.stdout)}
-    assert set(lines) == set(TARGETS) and len(TARGETS) == 11
+    assert set(lines) == set(TARGETS) and len(TARGETS) == 12
     for target, (runs, outcome) in lines.items():
         assert (runs, outcome) == (f"{CI_RUNS:,}", "ok"), (target, runs, outcome)
 
