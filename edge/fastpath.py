@@ -57,7 +57,8 @@ log = logging.getLogger("edge.fastpath")
 KEEPALIVE_S: Final = 75.0
 
 _METHOD: Final = b"POST "
-# The whole head in one match: the request line, then header lines each of the form above.
+# The whole head in one match: the request line, then header lines each in the canonical form
+# (edge.headers.CANONICAL_FIELD).
 # Every line must begin with its CRLF and no field can hold a CR or LF, so the match is linear
 # and splitting the block on CRLF gives back exactly the lines it matched.
 _HEAD: Final = re.compile(rb"POST (/[\x21-\x7e]*) HTTP/1\.1((?:\r\n" + CANONICAL_FIELD + rb")*)")

@@ -6,7 +6,10 @@ request costs about 0.3 ms of CPU (URL objects, request/response objects, timers
 hooks), twice the latency the edge is allowed to add in total. The edge already holds the exact
 request bytes it wants to send, and needs from the answer only a status, the raw header pairs and
 the body as it arrives, so this module does just that: one ``transport.write`` per request, the
-response parsed by llhttp (``httptools``) in C, body chunks handed over as they arrive.
+response parsed by llhttp (``httptools``) in C, body chunks handed over as they arrive. An
+answer that arrives whole in one read and in the plainest form (``plain_response``: canonical
+header lines, one ``Content-Length``) is read without llhttp's per-field callbacks, exactly as
+llhttp would read it (a fuzz harness checks that).
 
 Rules it keeps:
 
@@ -513,7 +516,8 @@ class UpstreamPool:
 
     def idle_connection(self, url: str) -> UpstreamConnection | None:
         """A pooled connection to ``url`` ready for an exchange, if there is one (the caller
-        sends on it with ``send`` and must ``finish`` or ``abort`` it)."""
+        starts the exchange with ``send`` or ``start``; the response's ``release``, or
+        ``abort``, ends it)."""
         stack = self._idle.get(url)
         while stack:
             conn = stack.pop()
@@ -523,16 +527,7 @@ class UpstreamPool:
         return None
 
     def _take_idle(self, origin: Origin) -> _Connection | None:
-        stack = self._idle.get(origin.url)
-        if not stack:
-            return None
-        oldest_usable = stack[-1]._loop.time() - self._idle_ttl_s
-        while stack:
-            conn = stack.pop()
-            if not conn.closed and conn.idle_since >= oldest_usable:
-                return conn
-            conn.abort()
-        return None
+        return self.idle_connection(origin.url)
 
     def _put(self, conn: _Connection) -> None:
         if self._closed:
