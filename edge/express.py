@@ -185,9 +185,12 @@ class Express:
         self.host.express_placed(self)
         conn = self.conn
         status = response.status
-        conn.write(
-            response_head(status, response.headers, length=len(body), close=conn.must_close) + body
-        )
+        raw = response.raw
+        if raw is not None and not conn.must_close:
+            conn.write(raw)  # nothing in it for the edge to drop or reframe
+        else:
+            head = response_head(status, response.headers, length=len(body), close=conn.must_close)
+            conn.write(head + body)
         response.release()
         self._end(status, Outcome.DELIVERED)
 

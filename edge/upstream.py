@@ -35,13 +35,13 @@ import ssl
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, cast
+from typing import Final, NamedTuple, cast
 from urllib.parse import urlsplit
 
 import httptools
 
 from edge.errors import UpstreamBadResponse, UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from edge.headers import CANONICAL_FIELD
+from edge.headers import CANONICAL_FIELD, HOP_BY_HOP
 
 _HIGH_WATER: Final = 256 * 1024
 _LOW_WATER: Final = 64 * 1024
@@ -57,12 +57,21 @@ _NOT_PLAIN: Final = frozenset({b"transfer-encoding", b"connection", b"upgrade"})
 _QUICK_BODY_LIMIT: Final = 64 * 1024
 
 
-def plain_response(data: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
-    """``data`` as (status, header pairs, body) when it is exactly one whole HTTP/1.1 response
-    in the plainest form (a 2xx-5xx status other than 204 and 304, canonical header lines, one
+class Plain(NamedTuple):
+    """A whole response read by ``plain_response``."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    hop_free: bool  # no hop-by-hop field at all: the bytes can be passed on as they came
+
+
+def plain_response(data: bytes) -> Plain | None:
+    """``data`` read as llhttp reads it when it is exactly one whole HTTP/1.1 response in the
+    plainest form (a 2xx-5xx status other than 204 and 304, canonical header lines, one
     ``Content-Length`` and the body it announces, nothing after it, no ``Connection``,
-    ``Transfer-Encoding`` or ``Upgrade``), read as llhttp reads it and reusable afterwards;
-    None for anything else, which llhttp then parses."""
+    ``Transfer-Encoding`` or ``Upgrade``), leaving the connection reusable; None for anything
+    else, which llhttp then parses."""
     matched = _CANONICAL_HEAD.match(data)
     if matched is None:
         return None
@@ -71,6 +80,7 @@ def plain_response(data: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] 
         return None
     headers: list[tuple[bytes, bytes]] = []
     length = -1
+    hop_free = True
     block = matched.group(2)
     for raw in block.split(b"\r\n")[1:] if block else ():
         name, _, value = raw.partition(b":")
@@ -80,13 +90,15 @@ def plain_response(data: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] 
             if length >= 0 or not value.isdigit() or len(value) > 15:
                 return None
             length = int(value)
-        elif lower in _NOT_PLAIN:
-            return None
+        elif lower in HOP_BY_HOP:
+            if lower in _NOT_PLAIN:
+                return None
+            hop_free = False
         headers.append((name, value))
     start = matched.end()
     if length < 0 or length > _QUICK_BODY_LIMIT or len(data) - start != length:
         return None
-    return status, headers, data[start:]
+    return Plain(status, headers, data[start:], hop_free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +133,7 @@ class UpstreamResponse:
         "_waiter",
         "headers",
         "keep_alive",
+        "raw",
         "status",
     )
 
@@ -129,6 +142,9 @@ class UpstreamResponse:
         self.status = status
         self.headers = headers
         self.keep_alive = False
+        # The whole message as received, when it may be passed on byte for byte (plain, whole,
+        # no hop-by-hop field): the client gets what the replica sent.
+        self.raw: bytes | None = None
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._done = False
@@ -268,7 +284,7 @@ class _Connection(asyncio.Protocol):
             whole = plain_response(data)
             if whole is not None:
                 self.received = True
-                self._whole(*whole)
+                self._whole(whole, data)
                 if self.listener is not None:
                     self.listener()
                 return
@@ -305,12 +321,15 @@ class _Connection(asyncio.Protocol):
         if self.listener is not None:
             self.listener()
 
-    def _whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    def _whole(self, plain: Plain, data: bytes) -> None:
         """What llhttp's callbacks make of a plain response (see ``plain_response``)."""
         self._cancel_timer()
-        response = UpstreamResponse(self, status, headers)
+        response = UpstreamResponse(self, plain.status, plain.headers)
+        if plain.hop_free:
+            response.raw = data
         self._response = response
         self._close_delimited = False
+        body = plain.body
         if body:
             response._chunks.append(body)
             response._buffered = len(body)

@@ -294,3 +294,30 @@ async def test_a_drain_lets_an_exchange_finish_and_cancels_one_past_its_grace() 
             await edge.drain(0.2)
             assert await r.read() == b""  # no answer: cut off
         assert edge.in_flight == 0 and requests(edge, "command", "client_gone") == 1
+
+
+async def test_a_plain_answer_is_passed_on_as_it_came_and_hop_by_hop_fields_are_not() -> None:
+    answer = b"HTTP/1.1 200 Fine Thanks\r\nX-Order: 1\r\ncontent-length: 2\r\nX-Z: z\r\n\r\nok"
+    with_hop = answer.replace(b"X-Z: z", b"Keep-Alive: timeout=5")
+
+    async def plain(writer: asyncio.StreamWriter) -> None:
+        writer.write(answer)
+
+    async def hop(writer: asyncio.StreamWriter) -> None:
+        writer.write(with_hop)
+
+    async with raw_fleet(answer_ok, plain, hop, plain) as (edge, _):
+        async with connected(edge.url) as (r, w):
+            w.write(command(SID))
+            await read_response(r)
+            w.write(command(SID))
+            assert await r.readexactly(len(answer)) == answer  # byte for byte
+            w.write(command(SID))
+            status, fields, body = await read_response(r)
+            assert (status, body) == (200, b"ok") and b"keep-alive" not in fields
+            # Connection: close from the client: the edge says so itself, then closes.
+            w.write(command(SID)[:-4] + b"Connection: close\r\n\r\n" + b"{}")
+            status, fields, body = await read_response(r)
+            assert (status, body, fields[b"connection"]) == (200, b"ok", b"close")
+            assert await r.read() == b""
+        assert edge.expressed == 3

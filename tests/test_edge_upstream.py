@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edge.errors import UpstreamBadResponse, UpstreamTimeout, UpstreamUnavailable
+from edge.headers import HOP_BY_HOP
 from edge.upstream import Origin, UpstreamPool, plain_response
 from fleet_sim.ports import free_port
 
@@ -351,13 +352,16 @@ def test_a_plain_response_is_read_as_llhttp_reads_it(
         return
     read = _Read(data)
     assert read.complete and read.keep_alive
-    assert (read.status, read.headers, read.body) == plain
+    assert (read.status, read.headers, read.body) == plain[:3]
+    assert plain.hop_free == (not any(n.lower() in HOP_BY_HOP for n, _ in read.headers))
 
 
 def test_plain_responses_and_what_is_left_to_llhttp() -> None:
     ok = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 5\r\n\r\nhello"
     fields = [(b"content-type", b"text/plain"), (b"content-length", b"5")]
-    assert plain_response(ok) == (200, fields, b"hello")
+    assert plain_response(ok) == (200, fields, b"hello", True)
+    kept = ok.replace(b"content-type", b"keep-alive: timeout=5\r\ncontent-type")
+    assert plain_response(kept) == (200, [(b"keep-alive", b"timeout=5"), *fields], b"hello", False)
     for other in (
         ok[:-1],  # the body is not all here yet
         ok + b"HTTP/1.1",  # more than one message
