@@ -108,6 +108,17 @@ async def raw_fleet(
         await replica.close()
 
 
+async def second_answer(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> tuple[int, dict[bytes, bytes], bytes]:
+    """Send a command (it opens the pooled connection), then one more (the express one); the
+    second's answer."""
+    writer.write(command(SID))
+    await read_response(reader)
+    writer.write(command(SID))
+    return await read_response(reader)
+
+
 def hold_open(seen: asyncio.Event) -> Behaviour:
     """Never answer; note when the edge drops the connection."""
 
@@ -191,10 +202,7 @@ async def test_headers_that_never_come_are_a_504() -> None:
     seen = asyncio.Event()
     async with raw_fleet(answer_ok, hold_open(seen), upstream_header_timeout_s=0.3) as (edge, _):
         async with connected(edge.url) as (r, w):
-            w.write(command(SID))
-            await read_response(r)
-            w.write(command(SID))
-            status, _, body = await read_response(r)
+            status, _, body = await second_answer(r, w)
         assert status == 504 and b"did not answer in time" in body
         assert requests(edge, "command", "timed_out") == 1
 
@@ -207,10 +215,7 @@ async def test_a_body_that_stalls_is_a_504_and_the_replica_connection_is_dropped
     behaviours = (answer_ok, stall, answer_ok)
     async with raw_fleet(*behaviours, upstream_header_timeout_s=0.3) as (edge, replica):
         async with connected(edge.url) as (r, w):
-            w.write(command(SID))
-            await read_response(r)
-            w.write(command(SID))
-            status, _, body = await read_response(r)
+            status, _, body = await second_answer(r, w)
             assert status == 504 and b"stalled" in body
             w.write(command(SID))  # the client's connection carries on
             assert (await read_response(r))[0] == 200
@@ -223,10 +228,7 @@ async def test_bytes_that_are_not_http_are_a_502() -> None:
         writer.write(b"SPDY/9 nonsense\r\n\r\n")
 
     async with raw_fleet(answer_ok, garbage) as (edge, _), connected(edge.url) as (r, w):
-        w.write(command(SID))
-        await read_response(r)
-        w.write(command(SID))
-        status, _, body = await read_response(r)
+        status, _, body = await second_answer(r, w)
         assert status == 502 and b"unusable" in body
         assert requests(edge, "command", "upstream_error") == 1
 
@@ -239,10 +241,7 @@ async def test_a_long_chunked_answer_is_handed_to_the_streaming_relay() -> None:
         writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
 
     async with raw_fleet(answer_ok, chunked) as (edge, _), connected(edge.url) as (r, w):
-        w.write(command(SID))
-        await read_response(r)
-        w.write(command(SID))
-        status, fields, body = await read_response(r)
+        status, fields, body = await second_answer(r, w)
         assert (status, body) == (200, b"firstsecond")
         assert fields[b"transfer-encoding"] == b"chunked"
         assert edge.expressed == 1 and requests(edge, "command", "delivered") == 2
