@@ -148,3 +148,19 @@ async def test_the_budget_counts_from_the_request_arrival() -> None:
             SLICE, SID, POLICY, replicas, Tally(), started=90.0, clock=clock, sleep=clock.sleep
         )
     assert replicas.asked == ["r1"]
+
+
+@pytest.mark.anyio
+async def test_an_answer_the_caller_already_had_is_the_first_attempt() -> None:
+    clock = Clock()
+    tally = Tally()
+    replicas = Replicas(r1=["ok"], r2=["no"], r3=["no"])
+    answer = await place(
+        SLICE, SID, POLICY, replicas, tally, started=0.0, first=busy(), clock=clock,
+        sleep=clock.sleep,
+    )  # fmt: skip
+    # The owner's 503 came with the call: it is asked again only for the retry.
+    assert (answer, replicas.asked, tally.attempts, tally.retries) == ("ok", ["r1"], 2, 1)
+    delivered = await place(SLICE, SID, POLICY, Replicas(r1=["no"]), Tally(), started=0.0,
+                            first="had", clock=clock, sleep=clock.sleep)  # fmt: skip
+    assert delivered == "had"
