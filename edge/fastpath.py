@@ -201,7 +201,7 @@ class FastLane:
         serve: Serve,
         fallback: Callable[[], asyncio.Protocol],
         options: Callable[[], EdgeOptions],
-        express: Express | None = None,
+        express: Express,
     ) -> None:
         self.serve = serve
         self.express = express
@@ -386,8 +386,7 @@ class FastConnection(asyncio.Protocol):
         del buffer[:need]
         if request.close:
             self.closing = True
-        express = self.lane.express
-        if express is None or not express(request, decision, body, self):
+        if not self.lane.express(request, decision, body, self):
             self.adopt(self.lane.serve(request, decision, body, self))
 
     def adopt(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

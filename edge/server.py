@@ -46,7 +46,7 @@ from edge import accesslog
 from edge.accesslog import AccessRecord, install_redaction
 from edge.callbacks import CallbackLimits, forward_callback
 from edge.classify import Kind, Local, Probe, Refused, Routed, classify
-from edge.config import EdgeConfig, ReplicaConfig, SliceConfig, load_config
+from edge.config import EdgeConfig, EdgeOptions, ReplicaConfig, SliceConfig, load_config
 from edge.errors import ConfigError, RoutingError
 from edge.express import Express
 from edge.fastpath import FastConnection, FastLane, FastRequest
@@ -333,14 +333,13 @@ class Edge:
         tally = record.tally
         tally.attempts = 1
         tally.replica = owner.name
-        host = None if request.has_host else self.pool.origin(owner.url).host_header
         exchange = Express(
             self,
             conn,
             up,
             record,
             started,
-            data=request.upstream(body, host),
+            data=self._upstream_bytes(request, body, owner),
             session_id=decision.session_id,
             slice_config=route.slice_config,
             owner=owner,
@@ -391,12 +390,26 @@ class Edge:
             else:
                 self.express_placed(exchange)
                 placed = first
-            conn = exchange.conn
-            if isinstance(placed, EdgeAnswer):
-                conn.answer(placed.status, placed.text, retry_after=placed.retry_after)
-                record.status, record.outcome = placed.status, placed.outcome
-                return
-            record.status, record.outcome = await fast_relay(conn, placed, exchange.options, record)
+            record.status, record.outcome = await self._answer_command(
+                exchange.conn, placed, exchange.options, record
+            )
+
+    def _upstream_bytes(self, request: FastRequest, body: bytes, owner: ReplicaConfig) -> bytes:
+        host = None if request.has_host else self.pool.origin(owner.url).host_header
+        return request.upstream(body, host)
+
+    @staticmethod
+    async def _answer_command(
+        conn: FastConnection,
+        placed: UpstreamResponse | EdgeAnswer,
+        options: EdgeOptions,
+        record: AccessRecord,
+    ) -> tuple[int, Outcome]:
+        """The edge's own answer, or the replica's relayed; the status and how it ended."""
+        if isinstance(placed, EdgeAnswer):
+            conn.answer(placed.status, placed.text, retry_after=placed.retry_after)
+            return placed.status, placed.outcome
+        return await fast_relay(conn, placed, options, record)
 
     async def _command(
         self,
@@ -409,7 +422,7 @@ class Edge:
     ) -> tuple[int, Outcome]:
         runtime = self.runtime
         options = runtime.config.options
-        if len(self._tasks) > options.max_concurrent_requests:
+        if self.in_flight > options.max_concurrent_requests:  # this request included
             conn.answer(503, "the edge is at its concurrent request limit; retry", retry_after=True)
             return 503, Outcome.SHED
         try:
@@ -418,11 +431,10 @@ class Edge:
             conn.answer(exc.status, str(exc))
             return exc.status, Outcome.REJECTED
         slice_config, owner = route.slice_config, route.owner
-        host = None if request.has_host else self.pool.origin(owner.url).host_header
         placed = await self._http.placed(
             False,
             Kind.COMMAND,
-            request.upstream(body, host),
+            self._upstream_bytes(request, body, owner),
             slice_config,
             decision.session_id,
             options,
@@ -431,10 +443,7 @@ class Edge:
             started,
             owner,
         )
-        if isinstance(placed, EdgeAnswer):
-            conn.answer(placed.status, placed.text, retry_after=placed.retry_after)
-            return placed.status, placed.outcome
-        return await fast_relay(conn, placed, options, record)
+        return await self._answer_command(conn, placed, options, record)
 
     def _probe(self, probe: Probe) -> web.Response:
         if probe is Probe.LIVEZ:

@@ -512,7 +512,7 @@ class UpstreamPool:
         :class:`UpstreamBadResponse`; cancellation aborts the connection.
         """
         origin = self.origin(url)
-        conn = self._take_idle(origin)
+        conn = self.idle_connection(url)
         if conn is not None:
             try:
                 return await self._exchange(conn, data, header_timeout, head_only)
@@ -544,9 +544,6 @@ class UpstreamPool:
                 return conn
             conn.abort()
         return None
-
-    def _take_idle(self, origin: Origin) -> _Connection | None:
-        return self.idle_connection(origin.url)
 
     def _put(self, conn: _Connection) -> None:
         if self._closed:
