@@ -15,6 +15,7 @@ from edge.server import Edge
 from tests.edge_fakes import (
     FakeReplica,
     fleet,
+    hang,
     ok,
     refuse,
     requests,
@@ -320,3 +321,21 @@ async def test_a_plain_answer_is_passed_on_as_it_came_and_hop_by_hop_fields_are_
             assert (status, body, fields[b"connection"]) == (200, b"ok", b"close")
             assert await r.read() == b""
         assert edge.expressed == 3
+
+
+async def test_the_concurrency_limit_counts_express_exchanges() -> None:
+    replica = FakeReplica("r1", script(ok(), hang()))
+    async with fleet(replica, max_concurrent_requests=1) as edge:
+        async with connected(edge.url) as (r, w), connected(edge.url) as (r2, w2):
+            w.write(command(SID))
+            await read_response(r)
+            w.write(command(SID))  # an express exchange the replica never answers
+            for _ in range(100):
+                if len(replica.seen) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert edge.expressed == 1 and edge.in_flight == 1
+            w2.write(command(SID))
+            status, _, body = await asyncio.wait_for(read_response(r2), 5)
+        assert status == 503 and b"concurrent request limit" in body
+        assert requests(edge, "command", "shed") == 1
