@@ -2,8 +2,8 @@
 
 A prompt carries a unique token (``op-`` + 12 hex digits) in its text so a checker can find it in
 storage afterwards. Its outcome is ``ok`` only once the client saw the turn end successfully
-with its batches committed; ``fail`` when it was refused before anything was sent; ``unknown``
-when the connection broke (or the session was superseded) after the prompt went out.
+with its batches committed; ``fail`` when it was refused (or gave up) before anything was sent;
+``unknown`` when the connection broke (or the session was superseded) after the prompt went out.
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ def _ws_url(edge: str, session_id: str, since: str | None = None) -> str:
     return url if since is None else f"{url}&since={since}"
 
 
+RECONNECT_PAUSE_S = 0.2
+# Close codes that say "the connection was lost, come back": going away, abnormal closure, the
+# replica connection was lost (the edge's 1011), service restart, try again later (lagged).
+RECONNECT_CODES = frozenset({1001, 1006, 1011, 1012, 1013})
+
+
 async def prompt_ws(
     edge: str,
     session: Session,
@@ -52,44 +58,59 @@ async def prompt_ws(
 ) -> Op:
     """One prompt over a fresh WebSocket through the edge. A client that keeps ``since`` (the
     last committed message id it saw, the op's ``figures["leaf"]``) is sent only what is newer,
-    as a reconnecting client is; without it the catch-up carries the whole transcript."""
+    as a reconnecting client is; without it the catch-up carries the whole transcript.
+
+    A connection that closes after its handshake but before the prompt went out (its owner died
+    between the upgrade and the catch-up) refused nothing: the client reconnects, as a real one
+    does, until ``timeout_s``; ``figures["reconnects"]`` counts how often."""
     token = new_token()
     started = time.time()
     sent = False
-    committed = 0
+    committed = reconnects = 0
     leaf: str | None = since
     outcome, detail = "unknown", ""
     try:
         async with asyncio.timeout(timeout_s):
-            async with websockets.connect(
-                _ws_url(edge, session.session_id, since),
-                max_size=None,
-                open_timeout=timeout_s,
-                additional_headers={"x-beyond-grant": session.grant},
-            ) as ws:
-                await ws.recv()  # catchup
-                message = f"{text or 'turn'} {token}"
-                await ws.send(json.dumps({"type": "prompt", "id": token, "message": message}))
-                sent = True
-                while True:
-                    frame = json.loads(await ws.recv())
-                    kind = frame.get("type")
-                    if kind == "committed":
-                        committed += 1
-                        leaf = frame.get("leaf_id") or leaf
-                    elif kind == "session_superseded":
-                        detail = "superseded"
-                        break
-                    elif kind == "response" and not frame.get("success"):
-                        outcome, detail = "fail", str(frame.get("error"))
-                        break
-                    elif kind == "event" and frame["event"].get("kind") == "turn_ended":
-                        ended = frame["event"]
-                        if ended.get("outcome") == "succeeded" and committed >= 2:
-                            outcome = "ok"
-                        else:
-                            detail = f"turn {ended.get('outcome')} ({ended.get('reason')})"
-                        break
+            while True:
+                try:
+                    async with websockets.connect(
+                        _ws_url(edge, session.session_id, since),
+                        max_size=None,
+                        open_timeout=timeout_s,
+                        additional_headers={"x-beyond-grant": session.grant},
+                    ) as ws:
+                        await ws.recv()  # catchup
+                        message = f"{text or 'turn'} {token}"
+                        await ws.send(
+                            json.dumps({"type": "prompt", "id": token, "message": message})
+                        )
+                        sent = True
+                        while True:
+                            frame = json.loads(await ws.recv())
+                            kind = frame.get("type")
+                            if kind == "committed":
+                                committed += 1
+                                leaf = frame.get("leaf_id") or leaf
+                            elif kind == "session_superseded":
+                                detail = "superseded"
+                                break
+                            elif kind == "response" and not frame.get("success"):
+                                outcome, detail = "fail", str(frame.get("error"))
+                                break
+                            elif kind == "event" and frame["event"].get("kind") == "turn_ended":
+                                ended = frame["event"]
+                                if ended.get("outcome") == "succeeded" and committed >= 2:
+                                    outcome = "ok"
+                                else:
+                                    detail = f"turn {ended.get('outcome')} ({ended.get('reason')})"
+                                break
+                    break
+                except websockets.ConnectionClosed as exc:
+                    code = exc.rcvd.code if exc.rcvd is not None else 1006
+                    if sent or code not in RECONNECT_CODES:
+                        raise
+                    reconnects += 1
+                    await asyncio.sleep(RECONNECT_PAUSE_S)
     except websockets.InvalidStatus as exc:
         outcome = "unknown" if sent else "fail"
         detail = f"refused {exc.response.status_code}"
@@ -105,7 +126,7 @@ async def prompt_ws(
         outcome,  # type: ignore[arg-type]
         "ws",
         detail,
-        {"committed": committed, "leaf": leaf},
+        {"committed": committed, "leaf": leaf, "reconnects": reconnects},
     )
     journal.record(op)
     return op
