@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import websockets
+from websockets.asyncio.client import ClientConnection
 
 from fleet_sim.sim.journal import Journal, Op
 
@@ -47,6 +48,43 @@ RECONNECT_PAUSE_S = 0.2
 RECONNECT_CODES = frozenset({1001, 1006, 1011, 1012, 1013})
 
 
+@dataclass(slots=True)
+class _Turn:
+    """What one prompt's client has seen so far."""
+
+    leaf: str | None
+    sent: bool = False
+    committed: int = 0
+    reconnects: int = 0
+    outcome: str = "unknown"
+    detail: str = ""
+
+
+async def _prompt_on(ws: ClientConnection, turn: _Turn, token: str, message: str) -> None:
+    await ws.recv()  # catchup
+    await ws.send(json.dumps({"type": "prompt", "id": token, "message": message}))
+    turn.sent = True
+    while True:
+        frame = json.loads(await ws.recv())
+        kind = frame.get("type")
+        if kind == "committed":
+            turn.committed += 1
+            turn.leaf = frame.get("leaf_id") or turn.leaf
+        elif kind == "session_superseded":
+            turn.detail = "superseded"
+            return
+        elif kind == "response" and not frame.get("success"):
+            turn.outcome, turn.detail = "fail", str(frame.get("error"))
+            return
+        elif kind == "event" and frame["event"].get("kind") == "turn_ended":
+            ended = frame["event"]
+            if ended.get("outcome") == "succeeded" and turn.committed >= 2:
+                turn.outcome = "ok"
+            else:
+                turn.detail = f"turn {ended.get('outcome')} ({ended.get('reason')})"
+            return
+
+
 async def prompt_ws(
     edge: str,
     session: Session,
@@ -65,10 +103,7 @@ async def prompt_ws(
     does, until ``timeout_s``; ``figures["reconnects"]`` counts how often."""
     token = new_token()
     started = time.time()
-    sent = False
-    committed = reconnects = 0
-    leaf: str | None = since
-    outcome, detail = "unknown", ""
+    turn = _Turn(leaf=since)
     try:
         async with asyncio.timeout(timeout_s):
             while True:
@@ -79,54 +114,30 @@ async def prompt_ws(
                         open_timeout=timeout_s,
                         additional_headers={"x-beyond-grant": session.grant},
                     ) as ws:
-                        await ws.recv()  # catchup
-                        message = f"{text or 'turn'} {token}"
-                        await ws.send(
-                            json.dumps({"type": "prompt", "id": token, "message": message})
-                        )
-                        sent = True
-                        while True:
-                            frame = json.loads(await ws.recv())
-                            kind = frame.get("type")
-                            if kind == "committed":
-                                committed += 1
-                                leaf = frame.get("leaf_id") or leaf
-                            elif kind == "session_superseded":
-                                detail = "superseded"
-                                break
-                            elif kind == "response" and not frame.get("success"):
-                                outcome, detail = "fail", str(frame.get("error"))
-                                break
-                            elif kind == "event" and frame["event"].get("kind") == "turn_ended":
-                                ended = frame["event"]
-                                if ended.get("outcome") == "succeeded" and committed >= 2:
-                                    outcome = "ok"
-                                else:
-                                    detail = f"turn {ended.get('outcome')} ({ended.get('reason')})"
-                                break
+                        await _prompt_on(ws, turn, token, f"{text or 'turn'} {token}")
                     break
                 except websockets.ConnectionClosed as exc:
                     code = exc.rcvd.code if exc.rcvd is not None else 1006
-                    if sent or code not in RECONNECT_CODES:
+                    if turn.sent or code not in RECONNECT_CODES:
                         raise
-                    reconnects += 1
+                    turn.reconnects += 1
                     await asyncio.sleep(RECONNECT_PAUSE_S)
     except websockets.InvalidStatus as exc:
-        outcome = "unknown" if sent else "fail"
-        detail = f"refused {exc.response.status_code}"
+        turn.outcome = "unknown" if turn.sent else "fail"
+        turn.detail = f"refused {exc.response.status_code}"
     except (OSError, TimeoutError, websockets.ConnectionClosed, websockets.InvalidHandshake) as exc:
-        outcome = "unknown" if sent else "fail"
-        detail = f"{type(exc).__name__}"
+        turn.outcome = "unknown" if turn.sent else "fail"
+        turn.detail = f"{type(exc).__name__}"
     op = Op(
         session.session_id,
         "prompt",
         token,
         started,
         time.time(),
-        outcome,  # type: ignore[arg-type]
+        turn.outcome,  # type: ignore[arg-type]
         "ws",
-        detail,
-        {"committed": committed, "leaf": leaf, "reconnects": reconnects},
+        turn.detail,
+        {"committed": turn.committed, "leaf": turn.leaf, "reconnects": turn.reconnects},
     )
     journal.record(op)
     return op
