@@ -231,6 +231,34 @@ def _cpu_meter(pid: int | None) -> Callable[[], float | None]:
     return used
 
 
+class StreamCut(RuntimeError):
+    """A streamed turn's connection ended before the turn did: the replica told its reader to
+    reconnect (it fell behind, or a storage probe stalled on a busy machine). Nothing is lost, but
+    the turn's deltas can no longer be counted, so the measurement is taken again."""
+
+
+STREAM_ATTEMPTS = 3
+
+
+def _measured_turn(
+    grant: Callable[[str], str],
+    kind: str,
+    stream: Callable[[str, str, str, int | None], StreamResult],
+    url: str,
+    pid: int | None,
+) -> tuple[StreamResult, int]:
+    """One streamed turn on a fresh session (``grant`` gives a session id its grant), taken
+    again (at most ``STREAM_ATTEMPTS`` in all) while its stream is cut; the result and how many
+    attempts were cut."""
+    for cut in range(STREAM_ATTEMPTS):
+        sid = f"a07-s1.{kind}{secrets.token_hex(4)}"
+        try:
+            return stream(url, sid, grant(sid), pid), cut
+        except StreamCut as exc:
+            print(f"  {kind} turn cut ({exc}); measuring it again", file=sys.stderr, flush=True)
+    raise StreamCut(f"every one of {STREAM_ATTEMPTS} {kind} turns was cut before it ended")
+
+
 def ws_replica_stream(base: str, sid: str, grant: str, edge_pid: int | None) -> StreamResult:
     """One streamed turn over a WebSocket: text_delta frames received from prompt to turn end."""
     ws = RawWebSocket(f"{base}{AGENT_PATH}?session_id={sid}", {"x-beyond-grant": grant})
@@ -246,7 +274,7 @@ def ws_replica_stream(base: str, sid: str, grant: str, edge_pid: int | None) -> 
                 deltas += 1
             elif b'"turn_ended"' in payload:
                 return StreamResult(deltas, time.perf_counter() - started, cpu())
-        raise RuntimeError("the WebSocket closed before the turn ended")
+        raise StreamCut("the WebSocket closed before the turn ended")
     finally:
         ws.close()
 
@@ -270,7 +298,7 @@ def sse_stream(base: str, sid: str, grant: str, edge_pid: int | None) -> StreamR
                 deltas += 1
             elif b'"turn_ended"' in event:
                 return StreamResult(deltas, time.perf_counter() - started, cpu())
-        raise RuntimeError("the event stream closed before the turn ended")
+        raise StreamCut("the event stream closed before the turn ended")
     finally:
         reader.close()
 
@@ -320,16 +348,17 @@ def ws_echo(
 
 def stream_runs(fleet: Fleet, sizes: Sizes, routes: list[Route], edge_pid: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
+
+    def grant(sid: str) -> str:
+        return fleet.grant("bench", sid, sandbox=False)
+
     for route in routes:
         if route.name in ("nginx", "pyrelay"):
             continue
         pid = edge_pid if route.name == "edge" else None
-        sid = f"a07-s1.ws{secrets.token_hex(4)}"
-        ws = ws_replica_stream(
-            route.replica_url, sid, fleet.grant("bench", sid, sandbox=False), pid
-        )
-        sid = f"a07-s1.sse{secrets.token_hex(4)}"
-        sse = sse_stream(route.replica_url, sid, fleet.grant("bench", sid, sandbox=False), pid)
+        ws, ws_cut = _measured_turn(grant, "ws", ws_replica_stream, route.replica_url, pid)
+        sse, sse_cut = _measured_turn(grant, "sse", sse_stream, route.replica_url, pid)
+        out[f"stream_turns_cut_{route.name}"] = ws_cut + sse_cut
         fast_sid = f"a08-s1.relay{secrets.token_hex(4)}"
         ws_burst(route.fast_url, fast_sid, sizes.burst_frames // 10, None)  # warm up
         burst = ws_burst(route.fast_url, fast_sid, sizes.burst_frames, pid)
