@@ -35,13 +35,11 @@ from edge.errors import UpstreamTimeout, UpstreamUnavailable
 from edge.fastpath import FastConnection, response_head
 from edge.headers import declared_length
 from edge.metrics import Outcome
-from edge.proxy import COALESCE_LIMIT, EdgeAnswer
+from edge.proxy import COALESCE_LIMIT, REFUSALS, EdgeAnswer
 from edge.retry import RetryPolicy
 from edge.upstream import UpstreamConnection, UpstreamResponse
 
 log = logging.getLogger("edge.express")
-
-_REFUSALS = (503, 421)
 
 
 class Host(Protocol):
@@ -146,7 +144,7 @@ class Express:
                 text = f"replica {self.record.tally.replica} sent an unusable answer"
                 self._answer(EdgeAnswer(502, text, Outcome.UPSTREAM_ERROR))
             return
-        if response.status in _REFUSALS:
+        if response.status in REFUSALS:
             self._detach()
             self._promote(response)
             return

@@ -59,6 +59,9 @@ SSE_IDLE_S: Final = 45.0
 # write headers and body separately, and waiting the moment for the rest saves the client a
 # packet and the edge a loop turn. Event streams and longer bodies are streamed as they come.
 COALESCE_LIMIT: Final = 64 * 1024
+# The statuses by which a replica declines a session (busy, or not its owner): retried or walked
+# past by the planner, never relayed while placement goes on.
+REFUSALS: Final = frozenset({503, 421})
 # How much of a refusal's body is kept for the log, and how long the edge waits for it.
 REFUSAL_NOTE_BYTES: Final = 512
 REFUSAL_BODY_LIMIT: Final = 64 * 1024
@@ -137,6 +140,16 @@ def upstream_request(
     return head + body if body else head
 
 
+async def placement_answer(
+    response: UpstreamResponse, replica: ReplicaConfig
+) -> UpstreamResponse | Refusal:
+    """A replica's answer as the retry planner takes it: a refusal (``REFUSALS``) or the
+    response itself."""
+    if response.status in REFUSALS:
+        return await _refusal(response, replica)
+    return response
+
+
 async def _refusal(response: UpstreamResponse, replica: ReplicaConfig) -> Refusal:
     """Turn a 503/421 into a planner input, keeping the start of its reason for the log."""
     status = response.status
@@ -180,10 +193,7 @@ class HttpProxy:
             # The message names the replica's address: for the log, not for the client.
             log.debug("%s", exc)
             return Refusal.unreached("unreachable")
-        status = response.status
-        if status == 503 or status == 421:
-            return await _refusal(response, replica)
-        return response
+        return await placement_answer(response, replica)
 
     async def place(
         self,
@@ -201,9 +211,7 @@ class HttpProxy:
         async def attempt(replica: ReplicaConfig) -> UpstreamResponse | Refusal:
             return await self.attempt(replica, data, options, head_only)
 
-        answer: UpstreamResponse | Refusal | None = first
-        if first is not None and first.status in (503, 421):
-            answer = await _refusal(first, owner)
+        answer = None if first is None else await placement_answer(first, owner)
         return await place(
             slice_config,
             session_id,

@@ -234,8 +234,9 @@ class Edge:
                 async with asyncio.timeout(grace):
                     await self._idle.wait()
             except TimeoutError:
-                left_n = self.in_flight
-                log.warning("drain grace over: cancelling %d requests still running", left_n)
+                log.warning(
+                    "drain grace over: cancelling %d requests still running", self.in_flight
+                )
                 for exchange in list(self._express):
                     exchange.cancel()
                 left = list(self._tasks)
@@ -372,24 +373,21 @@ class Edge:
     async def _carry_on(self, exchange: Express, first: UpstreamResponse | None) -> None:
         record = exchange.record
         with self._in_flight(record, exchange.started):
-            placed: UpstreamResponse | EdgeAnswer
-            if first is None or first.status in (503, 421):
-                placed = await self._http.placed(
-                    False,
-                    Kind.COMMAND,
-                    exchange.data,
-                    exchange.slice_config,
-                    exchange.session_id,
-                    exchange.options,
-                    exchange.policy,
-                    record.tally,
-                    exchange.started,
-                    exchange.owner,
-                    first,
-                )
-            else:
-                self.express_placed(exchange)
-                placed = first
+            # From the owner's answer if express had one (a refusal is the planner's first
+            # input; anything else is placed already), else from the beginning.
+            placed = await self._http.placed(
+                False,
+                Kind.COMMAND,
+                exchange.data,
+                exchange.slice_config,
+                exchange.session_id,
+                exchange.options,
+                exchange.policy,
+                record.tally,
+                exchange.started,
+                exchange.owner,
+                first,
+            )
             record.status, record.outcome = await self._answer_command(
                 exchange.conn, placed, exchange.options, record
             )

@@ -137,7 +137,9 @@ class UpstreamResponse:
         "status",
     )
 
-    def __init__(self, conn: _Connection, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(
+        self, conn: UpstreamConnection, status: int, headers: list[tuple[bytes, bytes]]
+    ) -> None:
         self._conn = conn
         self.status = status
         self.headers = headers
@@ -240,7 +242,7 @@ class UpstreamResponse:
         self._wake()
 
 
-class _Connection(asyncio.Protocol):
+class UpstreamConnection(asyncio.Protocol):
     """One TCP connection to a replica; at most one exchange at a time (no pipelining)."""
 
     def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
@@ -473,10 +475,6 @@ class _Connection(asyncio.Protocol):
         self._pool._put(self)
 
 
-# For callers that drive an exchange themselves (edge.express).
-UpstreamConnection = _Connection
-
-
 class UpstreamPool:
     """Idle keep-alive connections per replica origin (newest first), created on demand."""
 
@@ -485,7 +483,7 @@ class UpstreamPool:
     ) -> None:
         self._idle_ttl_s = idle_ttl_s
         self._max_idle = max_idle
-        self._idle: dict[str, list[_Connection]] = {}
+        self._idle: dict[str, list[UpstreamConnection]] = {}
         self._origins: dict[str, Origin] = {}
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
@@ -524,7 +522,7 @@ class UpstreamPool:
         return await self._exchange(conn, data, header_timeout, head_only)
 
     async def _exchange(
-        self, conn: _Connection, data: bytes, header_timeout: float | None, head_only: bool
+        self, conn: UpstreamConnection, data: bytes, header_timeout: float | None, head_only: bool
     ) -> UpstreamResponse:
         waiter = conn.send(data, header_timeout, head_only)
         try:
@@ -545,7 +543,7 @@ class UpstreamPool:
             conn.abort()
         return None
 
-    def _put(self, conn: _Connection) -> None:
+    def _put(self, conn: UpstreamConnection) -> None:
         if self._closed:
             conn.abort()
             return
@@ -556,7 +554,7 @@ class UpstreamPool:
         conn.idle_since = conn._loop.time()
         stack.append(conn)
 
-    async def _connect(self, origin: Origin, connect_s: float) -> _Connection:
+    async def _connect(self, origin: Origin, connect_s: float) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         tls: ssl.SSLContext | None = None
         if origin.tls:
@@ -566,7 +564,7 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(connect_s):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(self, origin),
+                    lambda: UpstreamConnection(self, origin),
                     origin.host,
                     origin.port,
                     ssl=tls,

@@ -42,7 +42,7 @@ from edge.headers import (
 )
 from edge.metrics import EdgeMetrics, Outcome
 from edge.placement import PlacementFailed, Refusal, place
-from edge.proxy import answer, placement_failed
+from edge.proxy import REFUSALS, answer, placement_failed
 from edge.retry import RetryPolicy, parse_retry_after
 
 log = logging.getLogger("edge.websocket")
@@ -251,7 +251,7 @@ class WebSocketProxy:
                 )
         except _HandshakeRefused as refused:
             status = refused.status
-            if status == 503 or status == 421:
+            if status in REFUSALS:
                 retry_after = None
                 for name, value in refused.headers:
                     if name.lower() == b"retry-after":
