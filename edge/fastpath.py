@@ -19,6 +19,9 @@ head over the limit) hands the connection, with every byte read so far, to aioht
 handler for the rest of its life, where the full rules apply. A hand-over happens only between
 requests, so nothing is ever answered twice or out of order.
 
+Each distinct head is read once: the lane remembers what ``read_command`` made of it
+(``edge.memo``), since a client sends the same head request after request.
+
 A served command is placed exactly as the aiohttp path places it (``HttpProxy.placed``); the
 answer goes out in one write when it is complete (the usual case), else it is streamed with
 backpressure. Keep-alive, ``Connection: close``, pipelining (one request at a time, in order),
@@ -46,6 +49,7 @@ from edge.headers import (
     declared_length,
     response_fields,
 )
+from edge.memo import Memo
 from edge.metrics import Outcome
 from edge.proxy import EdgeAnswer, whole_body
 from edge.upstream import UpstreamResponse
@@ -67,8 +71,8 @@ _CONNECTION_OPTIONS: Final = frozenset({b"close", b"keep-alive"})
 # Fields parse_head looks at (the rest are passed on as they are).
 _NOTED: Final = REFRAMED | _NOT_FAST | {b"host", b"authorization"}
 _NO_BODY_STATUS: Final = frozenset({204, 304})
-_DECISIONS: Final = 4096  # remembered classifications per lane
-_DECISION_KEY_MAX: Final = 2048  # bytes of target and Authorization values worth remembering
+_HEADS: Final = 1024  # request heads remembered per lane (see edge.memo)
+_HEAD_KEY_MAX: Final = 4096  # longer heads are read every time
 _STATUS_LINES: Final = {
     s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode("ascii")) for s in HTTPStatus
 }
@@ -82,7 +86,7 @@ class FastRequest(NamedTuple):
     target: str
     raw_target: bytes  # the same, as received
     path: str  # the target without query or fragment, for the access log
-    headers: list[tuple[bytes, bytes]]
+    headers: tuple[tuple[bytes, bytes], ...]
     length: int
     close: bool  # the client sent Connection: close
     forward: bytes  # the fields a replica gets, as header lines (what request_head keeps)
@@ -146,8 +150,26 @@ def parse_head(head: bytes) -> FastRequest | None:
     path = target.partition("?")[0].partition("#")[0]
     lines = b"\r\n".join(forward) + b"\r\n" if forward else b""
     return FastRequest(
-        target, raw_target, path, headers, length, close, lines, has_host, tuple(authorization)
+        target,
+        raw_target,
+        path,
+        tuple(headers),
+        length,
+        close,
+        lines,
+        has_host,
+        tuple(authorization),
     )
+
+
+def read_command(head: bytes) -> tuple[FastRequest, Classified] | None:
+    """A head the fast lane might serve, with what ``classify`` makes of it (it reads only the
+    target and the Authorization values, all in the head); None if ``parse_head`` declines it.
+    A pure function of the bytes, so a lane remembers its answers (``FastLane.commands``)."""
+    request = parse_head(head)
+    if request is None:
+        return None
+    return request, classify("POST", request.target, request.headers)
 
 
 def response_head(
@@ -211,21 +233,8 @@ class FastLane:
         self.closing = False
         self.handed_over = 0  # connections given to aiohttp, for tests and debugging
         self._sweeper: asyncio.TimerHandle | None = None
-        self._decisions: dict[tuple[str, tuple[bytes, ...]], Classified] = {}
-
-    def classify(self, request: FastRequest) -> Classified:
-        """``classify`` of a POST: it reads only the target and the Authorization values, so
-        its answer for the same pair is remembered (clients repeat both request after request;
-        the memory is bounded)."""
-        key = (request.target, request.authorization)
-        decision = self._decisions.get(key)
-        if decision is None:
-            decision = classify("POST", request.target, request.headers)
-            if len(request.target) + sum(map(len, request.authorization)) <= _DECISION_KEY_MAX:
-                if len(self._decisions) >= _DECISIONS:
-                    self._decisions.clear()
-                self._decisions[key] = decision
-        return decision
+        # Clients repeat their heads request after request: each is read once.
+        self.commands = Memo(read_command, size=_HEADS, key_max=_HEAD_KEY_MAX)
 
     def connection(self) -> FastConnection:
         return FastConnection(self)
@@ -371,12 +380,16 @@ class FastConnection(asyncio.Protocol):
             if len(buffer) > options.max_header_bytes or b"\n\n" in buffer:
                 self._hand_over()
             return
-        request = parse_head(bytes(buffer[:end]))
-        if request is None or request.length > options.max_request_body_bytes:
+        command = self.lane.commands.get(bytes(buffer[:end]))
+        if command is None:
             self._hand_over()
             return
-        decision = self.lane.classify(request)
-        if not isinstance(decision, Routed) or decision.kind is not Kind.COMMAND:
+        request, decision = command
+        if (
+            request.length > options.max_request_body_bytes
+            or not isinstance(decision, Routed)
+            or decision.kind is not Kind.COMMAND
+        ):
             self._hand_over()
             return
         need = end + 4 + request.length

@@ -155,6 +155,13 @@ class Edge:
         """Connections the fast lane gave to aiohttp's handler (see edge.fastpath)."""
         return self._lane.handed_over if self._lane is not None else 0
 
+    @property
+    def fast_lane_heads(self) -> tuple[int, int]:
+        """Request heads the fast lane read, and those it found already read (edge.memo)."""
+        if self._lane is None:
+            return 0, 0
+        return self._lane.commands.misses, self._lane.commands.hits
+
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def start(

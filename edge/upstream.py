@@ -9,7 +9,8 @@ the body as it arrives, so this module does just that: one ``transport.write`` p
 response parsed by llhttp (``httptools``) in C, body chunks handed over as they arrive. An
 answer that arrives whole in one read and in the plainest form (``plain_response``: canonical
 header lines, one ``Content-Length``) is read without llhttp's per-field callbacks, exactly as
-llhttp would read it (a fuzz harness checks that).
+llhttp would read it (a fuzz harness checks that); a head seen before is not read again (the
+pool remembers them, ``edge.memo``: a replica's heads repeat until its ``date`` turns over).
 
 Rules it keeps:
 
@@ -41,7 +42,8 @@ from urllib.parse import urlsplit
 import httptools
 
 from edge.errors import UpstreamBadResponse, UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from edge.headers import CANONICAL_FIELD, HOP_BY_HOP
+from edge.headers import CANONICAL_FIELD, HOP_BY_HOP, RawHeaders
+from edge.memo import Memo
 
 _HIGH_WATER: Final = 256 * 1024
 _LOW_WATER: Final = 64 * 1024
@@ -55,24 +57,34 @@ _CANONICAL_HEAD: Final = re.compile(
 # Fields after which llhttp's reading of a response depends on more than Content-Length.
 _NOT_PLAIN: Final = frozenset({b"transfer-encoding", b"connection", b"upgrade"})
 _QUICK_BODY_LIMIT: Final = 64 * 1024
+_HEADS: Final = 256  # plain response heads remembered per pool (see edge.memo)
+_HEAD_KEY_MAX: Final = 4096  # longer heads are read every time
+
+
+class PlainHead(NamedTuple):
+    """The head of a plain response, as ``plain_head`` reads it."""
+
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    length: int  # the one Content-Length
+    hop_free: bool  # no hop-by-hop field at all: the bytes can be passed on as they came
 
 
 class Plain(NamedTuple):
     """A whole response read by ``plain_response``."""
 
     status: int
-    headers: list[tuple[bytes, bytes]]
+    headers: tuple[tuple[bytes, bytes], ...]
     body: bytes
-    hop_free: bool  # no hop-by-hop field at all: the bytes can be passed on as they came
+    hop_free: bool
 
 
-def plain_response(data: bytes) -> Plain | None:
-    """``data`` read as llhttp reads it when it is exactly one whole HTTP/1.1 response in the
-    plainest form (a 2xx-5xx status other than 204 and 304, canonical header lines, one
-    ``Content-Length`` and the body it announces, nothing after it, no ``Connection``,
-    ``Transfer-Encoding`` or ``Upgrade``), leaving the connection reusable; None for anything
-    else, which llhttp then parses."""
-    matched = _CANONICAL_HEAD.match(data)
+def plain_head(head: bytes) -> PlainHead | None:
+    """``head`` (through its blank line) read as llhttp reads it when it is in the plainest
+    form (a 2xx-5xx status other than 204 and 304, canonical header lines, one
+    ``Content-Length`` of at most ``_QUICK_BODY_LIMIT``, no ``Connection``,
+    ``Transfer-Encoding`` or ``Upgrade``); None for anything else."""
+    matched = _CANONICAL_HEAD.fullmatch(head)
     if matched is None:
         return None
     status = int(matched.group(1))
@@ -95,10 +107,26 @@ def plain_response(data: bytes) -> Plain | None:
                 return None
             hop_free = False
         headers.append((name, value))
-    start = matched.end()
-    if length < 0 or length > _QUICK_BODY_LIMIT or len(data) - start != length:
+    if length < 0 or length > _QUICK_BODY_LIMIT:
         return None
-    return Plain(status, headers, data[start:], hop_free)
+    return PlainHead(status, tuple(headers), length, hop_free)
+
+
+def plain_response(
+    data: bytes, read_head: Callable[[bytes], PlainHead | None] = plain_head
+) -> Plain | None:
+    """``data`` read as llhttp reads it when it is exactly one whole HTTP/1.1 response whose
+    head ``read_head`` (``plain_head``, or a memo of it) finds plain, with the body its
+    ``Content-Length`` announces and nothing after it, leaving the connection reusable; None
+    for anything else, which llhttp then parses."""
+    # A plain head holds no CR or LF but in its line ends, so its end is the first blank line.
+    cut = data.find(b"\r\n\r\n") + 4
+    if cut < 4:
+        return None
+    head = read_head(data[:cut])
+    if head is None or len(data) - cut != head.length:
+        return None
+    return Plain(head.status, head.headers, data[cut:], head.hop_free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +165,7 @@ class UpstreamResponse:
         "status",
     )
 
-    def __init__(
-        self, conn: UpstreamConnection, status: int, headers: list[tuple[bytes, bytes]]
-    ) -> None:
+    def __init__(self, conn: UpstreamConnection, status: int, headers: RawHeaders) -> None:
         self._conn = conn
         self.status = status
         self.headers = headers
@@ -283,7 +309,7 @@ class UpstreamConnection(asyncio.Protocol):
         if not self.received and not self._head_only:
             # The usual answer arrives whole in one read: take it without llhttp's callbacks,
             # leaving the parser where it was, between messages.
-            whole = plain_response(data)
+            whole = plain_response(data, self._pool.plain_heads.get)
             if whole is not None:
                 self.received = True
                 self._whole(whole, data)
@@ -488,6 +514,8 @@ class UpstreamPool:
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
         self.connects = 0  # connections opened, for tests and debugging
+        # A replica's answers share their head until its date turns over: each is read once.
+        self.plain_heads = Memo(plain_head, size=_HEADS, key_max=_HEAD_KEY_MAX)
 
     def origin(self, url: str) -> Origin:
         origin = self._origins.get(url)

@@ -67,7 +67,7 @@ def check(data: bytes) -> None:
         raise Mismatch("request-line", f"the replica reads {parser.get_method()!r} in {data!r}")
     if reader.url.decode("latin-1") != request.target:
         raise Mismatch("target", f"edge {request.target!r}, replica {reader.url!r}")
-    if reader.headers != request.headers:
+    if tuple(reader.headers) != request.headers:
         raise Mismatch("headers", f"edge {request.headers!r}, replica {reader.headers!r}")
     if not reader.complete or reader.body != body:
         raise Mismatch("framing", f"the replica frames {data!r} differently")

@@ -96,6 +96,15 @@ def ok(body: bytes = b'{"ok": true}', status: int = 200, **headers: str) -> Hand
     return handler
 
 
+def echo() -> Handler:
+    """Answer each request with its own body."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=await request.read())
+
+    return handler
+
+
 def refuse(status: int, body: str = "refused", retry_after: int | None = None) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
         headers = {"Retry-After": str(retry_after)} if retry_after is not None else None

@@ -14,6 +14,7 @@ import pytest
 from edge.server import Edge
 from tests.edge_fakes import (
     FakeReplica,
+    echo,
     fleet,
     hang,
     ok,
@@ -143,6 +144,18 @@ async def test_after_the_first_command_the_owner_is_asked_without_a_task() -> No
         assert requests(edge, "command", "delivered") == 3
         assert sample(edge, "edge_placement_seconds_count", kind="command") == 3
         assert edge.in_flight == 0
+
+
+async def test_a_repeated_head_is_read_once_and_each_body_goes_on_as_sent() -> None:
+    bodies = [b'{"n":1}', b'{"n":2}', b'{"n":10}', b'{"n":3}']
+    async with fleet(FakeReplica("r1", echo())) as edge, connected(edge.url) as (r, w):
+        for body in bodies:
+            w.write(command(SID, body))
+            status, _, answer = await read_response(r)
+            assert (status, answer) == (200, body)
+        # Two heads: Content-Length 7 (three times) and 8.
+        assert edge.fast_lane_heads == (2, 2)
+        assert requests(edge, "command", "delivered") == 4
 
 
 async def test_an_answer_in_two_writes_is_still_delivered_whole() -> None:

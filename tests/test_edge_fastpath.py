@@ -34,12 +34,12 @@ def test_a_plain_command_head_is_taken_with_its_fields_as_sent() -> None:
     assert parsed is not None
     assert parsed.target == TARGET.decode()
     assert parsed.length == 2 and not parsed.close
-    assert parsed.headers == [
+    assert parsed.headers == (
         (b"Host", b"edge"),
         (b"Content-Length", b"2"),
         (b"x-beyond-grant", b"g r a n t"),
         (b"Accept", b"*/*"),
-    ]
+    )
 
 
 def test_what_is_sent_on_is_what_the_full_path_sends() -> None:

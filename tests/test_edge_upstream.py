@@ -88,6 +88,36 @@ async def test_connections_are_reused() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_remembered_head_still_delivers_each_body_as_sent() -> None:
+    # The same head with other bodies of its length, then a head that differs only in its
+    # length: each answer is the one the replica sent; heads seen before are not read again.
+    answers = [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nho",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nhey",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nha",
+    ]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for answer in answers:
+            await read_request(reader)
+            writer.write(answer)
+            await writer.drain()
+
+    pool = UpstreamPool()
+    async with raw(serve) as server:
+        assert [await request(pool, server.url) for _ in answers] == [
+            (200, b"hi"),
+            (200, b"ho"),
+            (200, b"hey"),
+            (200, b"ha"),
+        ]
+        assert server.connections == 1
+    assert (pool.plain_heads.misses, pool.plain_heads.hits) == (2, 2)
+    await pool.close()
+
+
+@pytest.mark.anyio
 async def test_retain_closes_idle_connections_to_dropped_replicas() -> None:
     pool = UpstreamPool()
     async with raw(answer_each) as one, raw(answer_each) as two:
@@ -329,10 +359,10 @@ def test_a_plain_response_is_read_as_llhttp_reads_it(
 
 def test_plain_responses_and_what_is_left_to_llhttp() -> None:
     ok = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 5\r\n\r\nhello"
-    fields = [(b"content-type", b"text/plain"), (b"content-length", b"5")]
+    fields = ((b"content-type", b"text/plain"), (b"content-length", b"5"))
     assert plain_response(ok) == (200, fields, b"hello", True)
     kept = ok.replace(b"content-type", b"keep-alive: timeout=5\r\ncontent-type")
-    assert plain_response(kept) == (200, [(b"keep-alive", b"timeout=5"), *fields], b"hello", False)
+    assert plain_response(kept) == (200, ((b"keep-alive", b"timeout=5"), *fields), b"hello", False)
     for other in (
         ok[:-1],  # the body is not all here yet
         ok + b"HTTP/1.1",  # more than one message
