@@ -20,6 +20,9 @@ does per request, so the edge's own cost shows beside the language's floor
   after round, so a change in the machine's load lands on all of them alike; latencies are the
   median over rounds, the latency a proxy adds the median over rounds of its p50 minus the
   direct p50 of the same round, rates the total requests over the total time;
+- ``post_c8_varied_edge_*``: ``post_c8`` through the edge alone, each request with an
+  ``x-request-id`` no other request has, so no head is the same as one before (the edge
+  remembers heads it has read, see ``edge.memo``; this is what a client pays that defeats it);
 - ``fast_c1_*`` / ``fast_c8_*``: the same against a tiny backend that answers at once, so the
   proxies' own limits show instead of the replica's;
 - ``ws_replica_*``: a turn streaming many text deltas from a stub model, counting the
@@ -76,6 +79,9 @@ GET_STATE: Final = b'{"type":"get_state"}'
 PROMPT: Final = b'{"type":"prompt","message":"stream"}'
 ROUTES: Final = ("direct", "edge", "nginx", "pyrelay")
 POST_WORKLOADS: Final = ("post_c1", "post_c8", "fast_c1", "fast_c8")
+VARIED_WORKLOAD: Final = "post_c8_varied"  # through the edge alone
+# A header whose value differs on every request of ``post_c8_varied``, as a request id would.
+VARIED_HEADER: Final = "x-request-id"
 STREAM_WORKLOADS: Final = ("ws_replica", "sse", "ws_relay_burst", "ws_relay_echo")
 
 
@@ -127,22 +133,25 @@ def post_runs(
     fast_sid = f"a08-s1.fast{secrets.token_hex(4)}"
     headers = _headers(grant)
     workloads = {
-        "post_c1": (1, sizes.c1_requests, False),
-        "post_c8": (8, sizes.c8_requests, False),
-        "fast_c1": (1, sizes.c1_requests, True),
-        "fast_c8": (8, sizes.fast_c8_requests, True),
+        "post_c1": (1, sizes.c1_requests, False, None),
+        "post_c8": (8, sizes.c8_requests, False, None),
+        VARIED_WORKLOAD: (8, sizes.c8_requests, False, VARIED_HEADER),
+        "fast_c1": (1, sizes.c1_requests, True, None),
+        "fast_c8": (8, sizes.fast_c8_requests, True, None),
     }
     out: dict[str, Any] = {}
-    for workload, (connections, count, fast) in workloads.items():
+    for workload, (connections, count, fast, vary) in workloads.items():
+        # The varied heads show what the edge's head memo saves: the edge alone is enough.
+        on = [r for r in routes if vary is None or r.name == "edge"]
         urls = {
             r.name: (
                 f"{r.fast_url}{AGENT_PATH}?session_id={fast_sid}"
                 if fast
                 else f"{r.replica_url}{AGENT_PATH}?session_id={sid}"
             )
-            for r in routes
+            for r in on
         }
-        for route in routes:
+        for route in on:
             client.run(
                 urls[route.name],
                 headers,
@@ -150,13 +159,14 @@ def post_runs(
                 connections,
                 max(1, count // 10),
                 sizes.warmup_seconds,
+                vary,
             )
-        runs: dict[str, list[tuple[LoadResult, float | None]]] = {r.name: [] for r in routes}
+        runs: dict[str, list[tuple[LoadResult, float | None]]] = {r.name: [] for r in on}
         for _ in range(sizes.rounds):
-            for route in routes:
+            for route in on:
                 before = route.cpu() if route.cpu else 0.0
                 result = client.run(
-                    urls[route.name], headers, GET_STATE, connections, count, sizes.seconds
+                    urls[route.name], headers, GET_STATE, connections, count, sizes.seconds, vary
                 )
                 used = route.cpu() - before if route.cpu else None
                 if result.errors:
@@ -526,6 +536,11 @@ def derive(f: dict[str, Any]) -> None:
         f[f"{workload}_edge_over_pyrelay_cpu"] = _ratio(
             f[f"{workload}_edge_cpu_ms_per_request"], f[f"{workload}_pyrelay_cpu_ms_per_request"]
         )
+    for stat in ("p50_ms", "p99_ms", "rps", "requests", "cpu_ms_per_request"):
+        f.setdefault(f"{VARIED_WORKLOAD}_edge_{stat}", None)
+    f[f"{VARIED_WORKLOAD}_over_post_c8_edge_cpu"] = _ratio(
+        f[f"{VARIED_WORKLOAD}_edge_cpu_ms_per_request"], f["post_c8_edge_cpu_ms_per_request"]
+    )
     for workload in STREAM_WORKLOADS:
         f[f"{workload}_edge_over_direct"] = _ratio(
             f.get(f"{workload}_edge_frames_per_s"), f.get(f"{workload}_direct_frames_per_s")
@@ -564,7 +579,7 @@ def _show(value: Any) -> str:
 
 def print_report(figures: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     print(f"{'workload':28}" + "".join(f"{r:>14}" for r in ROUTES))
-    for workload in POST_WORKLOADS:
+    for workload in (*POST_WORKLOADS, VARIED_WORKLOAD):
         for stat in ("p50_ms", "p99_ms", "rps"):
             cells = [figures.get(f"{workload}_{r}_{stat}") for r in ROUTES]
             print(f"{workload + ' ' + stat:28}" + "".join(_show(c) for c in cells))

@@ -107,12 +107,19 @@ wrk.method = "POST"
 wrk.body = {body}
 {headers}
 local limit = {limit}
+local vary = {vary}
 local threads = {{}}
-function setup(thread) table.insert(threads, thread) end
-function init(args) seen = 0; bad = 0; first = 0; last = 0 end
+function setup(thread)
+  table.insert(threads, thread)
+  thread:set("tid", #threads)
+end
+function init(args) seen = 0; bad = 0; first = 0; last = 0; sent = 0 end
 function request()
   if first == 0 then first = now_us() end
-  return wrk.request()
+  if vary == nil then return wrk.request() end
+  sent = sent + 1
+  wrk.headers[vary] = tid .. "-" .. sent
+  return wrk.format()
 end
 function response(status, headers, body)
   seen = seen + 1
@@ -152,9 +159,11 @@ class WrkClient:
         connections: int,
         count: int,
         seconds: int,
+        vary: str | None = None,
     ) -> LoadResult:
         """POST ``body`` on ``connections`` keep-alive connections until ``count`` answers or
-        ``seconds`` have passed (wrk itself always runs the whole ``seconds``)."""
+        ``seconds`` have passed (wrk itself always runs the whole ``seconds``). With ``vary``,
+        each request carries that header with a value no other request has."""
         threads = min(2, connections)
         script = self.scratch / f"post-{connections}.lua"
         lines = [f"wrk.headers[{_lua(k)}] = {_lua(v)}" for k, v in headers.items()]
@@ -163,6 +172,7 @@ class WrkClient:
                 body=_lua(body.decode()),
                 headers="\n".join(lines),
                 limit=math.ceil(count / threads),
+                vary="nil" if vary is None else _lua(vary),
             )
         )
         argv = [self.binary, f"-t{threads}", f"-c{connections}", f"-d{seconds}s"]
@@ -206,8 +216,10 @@ class PythonClient:
         connections: int,
         count: int,
         seconds: int,
+        vary: str | None = None,
     ) -> LoadResult:
-        return asyncio.run(self._run(url, headers, body, connections, count, seconds))
+        """As :meth:`WrkClient.run`."""
+        return asyncio.run(self._run(url, headers, body, connections, count, seconds, vary))
 
     async def _run(
         self,
@@ -217,9 +229,18 @@ class PythonClient:
         connections: int,
         count: int,
         seconds: int,
+        vary: str | None,
     ) -> LoadResult:
         host, port, target = split_url(url)
-        request = _request_head("POST", target, f"{host}:{port}", headers, len(body)) + body
+        sent = 0
+
+        def request() -> bytes:
+            nonlocal sent
+            sent += 1
+            fields = headers if vary is None else {**headers, vary: str(sent)}
+            return _request_head("POST", target, f"{host}:{port}", fields, len(body)) + body
+
+        same = request() if vary is None else None
         latencies: list[float] = []
         errors = 0
         deadline = time.perf_counter() + seconds
@@ -232,7 +253,7 @@ class PythonClient:
                 while remaining[0] > 0 and time.perf_counter() < deadline:
                     remaining[0] -= 1
                     started = time.perf_counter()
-                    writer.write(request)
+                    writer.write(same or request())
                     head = await reader.readuntil(b"\r\n\r\n")
                     status, length = status_and_length(head)
                     await reader.readexactly(length)

@@ -62,6 +62,8 @@ EDGE = (
     "post_c1_pyrelay_added_p50_ms",
     "replica_cpu_ms_per_turn",
     "edge_cpu_per_request_over_replica_cpu_per_turn",
+    "post_c8_varied_edge_cpu_ms_per_request",
+    "post_c8_varied_over_post_c8_edge_cpu",
 )
 RING = ("hash_ns_per_lookup", "owner_ns_per_lookup", "walk_ns_per_lookup")
 
