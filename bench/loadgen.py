@@ -6,6 +6,8 @@ frame that the server measured, not the client, sets the pace.
   thread and the latency percentiles it records in C;
 - :class:`PythonClient` is the stand-in when wrk cannot be had: keep-alive raw sockets on one
   event loop (slower, so its rates say as much about this process as about the server);
+- :func:`interleaved` takes turns between several paths to one backend, one request at a time,
+  for what each path adds in latency;
 - :class:`RawWebSocket` and :class:`SseReader` read frames and events straight off a socket.
 """
 
@@ -322,6 +324,73 @@ def status_and_length(head: bytes) -> tuple[int, int]:
         if name.strip().lower() == b"content-length":
             return status, int(value)
     raise RuntimeError("response without content-length")
+
+
+class _KeptConnection:
+    """One blocking keep-alive connection POSTing the same request, one at a time."""
+
+    def __init__(self, url: str, headers: dict[str, str], body: bytes) -> None:
+        host, port, target = split_url(url)
+        self.address = (host, port)
+        self.request = _request_head("POST", target, f"{host}:{port}", headers, len(body)) + body
+        self.sock = self._connect()
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(self.address, timeout=SOCKET_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def exchange(self) -> tuple[int, float]:
+        """Send the request and read the whole answer: its status and the seconds it took."""
+        started = time.perf_counter()
+        self.sock.sendall(self.request)
+        data = b""
+        need = -1
+        while need < 0 or len(data) < need:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise RuntimeError(f"{self.address} closed the connection mid-answer")
+            data += chunk
+            end = data.find(b"\r\n\r\n")
+            if need < 0 and end >= 0:
+                status, length = status_and_length(data[: end + 4])
+                need = end + 4 + length
+        took = time.perf_counter() - started
+        if b"\r\nconnection: close" in data[:need].lower():
+            self.sock.close()
+            self.sock = self._connect()
+        return status, took
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def interleaved(
+    urls: dict[str, str], headers: dict[str, str], body: bytes, count: int, seconds: float
+) -> dict[str, list[float]]:
+    """One request at a time, taking turns between ``urls`` (one keep-alive connection each,
+    the order rotating every round), until each has had ``count`` or ``seconds`` have passed:
+    each one's latencies in seconds. A drift in the backend's own latency lands on every URL
+    alike, so the difference between two medians is what one path adds over the other; the
+    client's own cost is the same on every path and cancels out."""
+    names = list(urls)
+    connections = {name: _KeptConnection(url, headers, body) for name, url in urls.items()}
+    latencies: dict[str, list[float]] = {name: [] for name in names}
+    deadline = time.perf_counter() + seconds
+    try:
+        for turn in range(count):
+            if time.perf_counter() >= deadline:
+                break
+            shift = turn % len(names)
+            for name in names[shift:] + names[:shift]:
+                status, took = connections[name].exchange()
+                if not 200 <= status < 300:
+                    raise RuntimeError(f"{urls[name]} answered {status}")
+                latencies[name].append(took)
+    finally:
+        for connection in connections.values():
+            connection.close()
+    return latencies
 
 
 # --- a minimal WebSocket client (blocking socket: cheap per frame) --------------------------------

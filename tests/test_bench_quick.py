@@ -63,6 +63,9 @@ EDGE = (
     "replica_cpu_ms_per_turn",
     "edge_cpu_per_request_over_replica_cpu_per_turn",
     "post_c8_varied_edge_cpu_ms_per_request",
+    "post_c1_interleaved_requests",
+    *(f"post_c1_{path}_interleaved_p50_ms" for path in _PATHS),
+    "fast_c1_edge_added_p50_ms",
     "post_c8_varied_over_post_c8_edge_cpu",
 )
 RING = ("hash_ns_per_lookup", "owner_ns_per_lookup", "walk_ns_per_lookup")
