@@ -6,6 +6,11 @@ from leaking threads is single flight: while a shard's probe is still stuck, lat
 its verdict ("hanging") instead of starting another thread. So a dead mount costs one thread per
 shard, however long it stays dead and however often readiness is asked. Results are cached
 briefly and every check has a deadline, so ``/readyz`` answers within about a second regardless.
+
+A hang verdict lasts as long as the stuck probe, not as long as the cache: once the probe
+returns, the shard is judged by what it returned, so a stall that ends (a slow fsync under load)
+stops refusing placements at once. Readers shed meanwhile reconnect and resume from their last
+event, on the same owner if it can serve them by then.
 """
 
 from __future__ import annotations
@@ -74,7 +79,8 @@ class ShardProbe:
         self._observe = observe
         self._inflight: asyncio.Future[float] | None = None
         self._started = 0.0
-        self._cached: tuple[float, ProbeResult] | None = None
+        # When, what, and whether it was a hang (a verdict that ends with the stuck probe).
+        self._cached: tuple[float, ProbeResult, bool] | None = None
 
     def _start(self) -> asyncio.Future[float]:
         future: Future[float] = Future()
@@ -92,18 +98,39 @@ class ShardProbe:
         return asyncio.wrap_future(future)
 
     @property
+    def stalled_s(self) -> float:
+        """How long the probe now running has been at it (0 when none is)."""
+        inflight = self._inflight
+        if inflight is None or inflight.done():
+            return 0.0
+        return time.monotonic() - self._started
+
+    def _stall_over(self) -> bool:
+        """The latest verdict was a hang, and the stuck probe has finished since."""
+        inflight = self._inflight
+        return (
+            self._cached is not None
+            and self._cached[2]
+            and inflight is not None
+            and inflight.done()
+        )
+
+    @property
     def healthy(self) -> bool:
         """The latest verdict, without probing: a shard not yet probed counts as healthy."""
-        inflight = self._inflight
-        stuck = inflight is not None and not inflight.done()
-        if stuck and time.monotonic() - self._started > self.deadline_s:
+        if self.stalled_s > self.deadline_s:
             return False  # a probe is stuck right now, whatever the cache says
+        if self._stall_over():
+            inflight = self._inflight
+            assert inflight is not None
+            return not inflight.cancelled() and inflight.exception() is None
         return self._cached is None or self._cached[1].ok
 
     async def check(self) -> ProbeResult:
         now = time.monotonic()
-        if self._cached is not None and now - self._cached[0] < self.cache_s:
-            return self._cached[1]
+        cached = self._cached
+        if cached is not None and now - cached[0] < self.cache_s and not self._stall_over():
+            return cached[1]
         if self._inflight is None or self._inflight.done():
             self._inflight, self._started = self._start(), now
         inflight, started = self._inflight, self._started
@@ -117,11 +144,13 @@ class ShardProbe:
         except TimeoutError:
             stuck = time.monotonic() - started
             result = ProbeResult(False, f"shard {self.name} is hanging ({stuck:.1f}s)", stuck)
+            self._cached = (time.monotonic(), result, True)
+            return result
         except Exception as exc:
             result = ProbeResult(
                 False, f"shard {self.name} is {_describe(exc)}", time.monotonic() - now
             )
-        self._cached = (time.monotonic(), result)
+        self._cached = (time.monotonic(), result, False)
         return result
 
 

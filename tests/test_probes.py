@@ -137,3 +137,33 @@ async def test_readiness(tmp_path: Path, hung: Hung) -> None:
     assert "a07-s1" not in reason
     draining = True
     assert await Readiness([good], lambda: draining).check() == (False, "draining")
+
+
+async def test_a_hang_verdict_ends_with_its_probe(tmp_path: Path, hung: Hung) -> None:
+    # Cached for far longer than the stall: the verdict still ends when the stuck probe does.
+    probe = ShardProbe("hang3", tmp_path, "r1", cache_s=60.0, deadline_s=0.1, probe=hung)
+    assert "hanging" in (await probe.check()).reason
+    assert not probe.healthy
+    hung.release.set()
+    await wait_no_threads("hang3")
+    assert probe.healthy
+    assert (await probe.check()).ok and hung.calls == 2
+
+
+async def test_a_stall_that_ends_in_an_error_leaves_the_shard_unhealthy(tmp_path: Path) -> None:
+    release = threading.Event()
+
+    def stuck_then_broken(root: Path, owner: str) -> None:
+        release.wait(10)
+        raise OSError(errno.EIO, "i/o error")
+
+    probe = ShardProbe(
+        "hang4", tmp_path, "r1", cache_s=60.0, deadline_s=0.1, probe=stuck_then_broken
+    )
+    readiness = Readiness([probe], lambda: False)
+    assert "hanging" in (await probe.check()).reason
+    release.set()
+    await wait_no_threads("hang4")
+    assert not probe.healthy and not readiness.shard_healthy("hang4")
+    assert (await probe.check()).reason == "shard hang4 is failing (EIO)"
+    await wait_no_threads("hang4")
