@@ -2,10 +2,10 @@
 
 Most commands go to the session's owner over a pooled keep-alive connection, and the owner
 answers at once with a short, complete body. For that case the fast lane does not need a task,
-a chain of coroutines and futures: :class:`Express` writes the request on an idle pooled
-connection and follows the exchange through the connection's ``listener`` callback, and when the
-answer is whole it writes it to the client in one go, returns the connection to the pool and
-accounts the request, all from the event loop's own callbacks.
+a chain of coroutines and futures: the request is written on an idle pooled connection at
+once, then :class:`Express` follows the exchange through the connection's ``listener``
+callback, and when the answer is whole it writes it to the client in one go, returns the
+connection to the pool and accounts the request, all from the event loop's own callbacks.
 
 Anything else is handed to the ordinary path with what is known so far (``promote``), in a task
 that carries on exactly where express stopped:
@@ -104,10 +104,11 @@ class Express:
         self.over = False
         self.timer: asyncio.TimerHandle | None = None
 
-    def start(self) -> None:
-        """Send the request on the pooled connection."""
+    def follow(self) -> None:
+        """Follow the exchange, whose request the caller has just started on ``up`` (the
+        request goes before this object is even made: nothing is answered before the loop
+        runs again, and the replica can start on it meanwhile)."""
         self.up.listener = self._progress
-        self.up.start(self.data, self.options.upstream_header_timeout_s)
 
     def cancel(self) -> None:
         """The client went away, or a drain ran out of grace: drop the exchange."""
@@ -179,8 +180,7 @@ class Express:
     # --- ending it ---------------------------------------------------------------------------
 
     def _deliver(self, response: UpstreamResponse, body: bytes) -> None:
-        self._detach()
-        self.host.express_placed(self)
+        # The answer first, the bookkeeping after: the client is waiting for it.
         conn = self.conn
         status = response.status
         raw = response.raw
@@ -189,6 +189,8 @@ class Express:
         else:
             head = response_head(status, response.headers, length=len(body), close=conn.must_close)
             conn.write(head + body)
+        self._detach()
+        self.host.express_placed(self)
         response.release()
         self._end(status, Outcome.DELIVERED)
 

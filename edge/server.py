@@ -336,6 +336,8 @@ class Edge:
         if up is None:
             return False
         started = self._now()
+        data = self._upstream_bytes(request, body, owner)
+        up.start(data, options.upstream_header_timeout_s)
         record = AccessRecord("POST", request.path)
         record.kind = Kind.COMMAND
         tally = record.tally
@@ -347,7 +349,7 @@ class Edge:
             up,
             record,
             started,
-            data=self._upstream_bytes(request, body, owner),
+            data=data,
             session_id=decision.session_id,
             slice_config=route.slice_config,
             owner=owner,
@@ -357,7 +359,7 @@ class Edge:
         self._express.add(exchange)
         self.expressed += 1
         conn.job = exchange
-        exchange.start()
+        exchange.follow()
         return True
 
     # edge.express.Host

@@ -440,9 +440,11 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_only = head_only
         self._response = None
         self.failure = None
+        # The request first, the timer after: nothing can answer before this returns to the
+        # loop, and the replica starts on it sooner.
+        self.transport.write(data)
         if header_timeout is not None:
             self._timer = self._loop.call_later(header_timeout, self._timed_out, header_timeout)
-        self.transport.write(data)
 
     @property
     def response(self) -> UpstreamResponse | None:
