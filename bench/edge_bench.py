@@ -539,12 +539,9 @@ def derive(f: dict[str, Any]) -> None:
                 f.setdefault(f"{workload}_{route}_{stat}", None)
             if route != "direct":
                 f.setdefault(f"{workload}_{route}_cpu_ms_per_request", None)
-        for route in ("edge", "nginx", "pyrelay"):
-            a, b = f[f"{workload}_{route}_p50_ms"], f[f"{workload}_direct_p50_ms"]
-            if workload.endswith("c1"):  # post_runs pairs rounds; this only fills what it could not
-                f.setdefault(
-                    f"{workload}_{route}_added_p50_ms", None if a is None or b is None else a - b
-                )
+        if workload.endswith("c1"):  # measured only by the interleaved run (see _added)
+            for route in ("edge", "nginx", "pyrelay"):
+                f.setdefault(f"{workload}_{route}_added_p50_ms", None)
         f[f"{workload}_edge_over_direct_rps"] = _ratio(
             f[f"{workload}_edge_rps"], f[f"{workload}_direct_rps"]
         )
