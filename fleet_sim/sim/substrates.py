@@ -30,6 +30,14 @@ class Substrate(Protocol):
 
     def prepare(self, replicas: list[str], shards: list[str]) -> None: ...
 
+    def mount_dir(self, replica: str) -> Path | None: ...  # that host's mount; None: no mount
+
+    def fs_pids(self, replica: str) -> list[int]: ...  # that host's file-system client processes
+
+    def freeze(self, replica: str) -> None: ...  # the host's storage side of a stopped host
+
+    def thaw(self, replica: str) -> None: ...
+
     def partition(self, replica: str) -> None: ...
 
     def heal(self, replica: str) -> None: ...
@@ -56,6 +64,17 @@ class LocalDir:
     def prepare(self, replicas: list[str], shards: list[str]) -> None:
         for shard in shards:
             (self.root / shard).mkdir(parents=True, exist_ok=True)
+
+    def mount_dir(self, replica: str) -> Path | None:
+        return None
+
+    def fs_pids(self, replica: str) -> list[int]:
+        return []
+
+    def freeze(self, replica: str) -> None:
+        """Nothing but the replica process stops: its descriptors, and so its locks, stay."""
+
+    thaw = freeze
 
     def partition(self, replica: str) -> None:
         raise NotApplicable("a local directory cannot be partitioned")
@@ -102,6 +121,23 @@ class LeaseFs:
         )
         mount.start()
         self.mounts[replica] = mount
+
+    def mount_dir(self, replica: str) -> Path | None:
+        return self.root / "mnt" / replica
+
+    def fs_pids(self, replica: str) -> list[int]:
+        mount = self.mounts.get(replica)
+        pid = mount.pid if mount is not None else None
+        return [pid] if pid is not None else []
+
+    def freeze(self, replica: str) -> None:
+        # A host that stops stops renewing its NFSv4 lease: the server revokes its locks after the
+        # lease time. Stopping the leasefs daemon would instead keep them forever (it holds them
+        # on the backing files), so the host's side of a freeze is a partition of its mount.
+        self.partition(replica)
+
+    def thaw(self, replica: str) -> None:
+        self.heal(replica)
 
     def partition(self, replica: str) -> None:
         self.mounts[replica].control.partition()
@@ -166,6 +202,17 @@ class Attached:
         missing = [s for s in shards if s not in self.paths]
         if missing:
             raise NotApplicable(f"the attached fleet has no shard {', '.join(missing)}")
+
+    def mount_dir(self, replica: str) -> Path | None:
+        return None
+
+    def fs_pids(self, replica: str) -> list[int]:
+        return []
+
+    def freeze(self, replica: str) -> None:
+        """The fault command's pause stops the whole host (its container or VM)."""
+
+    thaw = freeze
 
     def partition(self, replica: str) -> None:
         run_fault_command(self.fault_cmd, "partition", replica)
