@@ -34,6 +34,7 @@ EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
 DEFAULT_WORKSPACE: Final = "/workspace"
 DEFAULT_EXEC_URL: Final = "http://127.0.0.1:7700"
+UP_SUBSTRATES: Final = ("local-dir", "leasefs")
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -191,7 +192,25 @@ def _register_up(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "stub:ttft=300ms,per_token=12ms,tokens=200, or openai:URL",
     )
     parser.add_argument(
-        "--state", type=Path, metavar="FILE", help="write every process's URL and pid here as JSON"
+        "--state",
+        type=Path,
+        metavar="FILE",
+        help="write every process's URL and pid here as JSON, kept current as processes "
+        "restart (default: D/state.json); `fleet-sim fault` finds the fleet through it",
+    )
+    parser.add_argument(
+        "--substrate",
+        default="local-dir",
+        choices=UP_SUBSTRATES,
+        help="where the shards live: local-dir (one directory, the default), leasefs (a FUSE "
+        "mount per replica host that behaves like NFSv4: partitions and lease expiry)",
+    )
+    parser.add_argument(
+        "--restart",
+        default="always",
+        choices=("always", "never"),
+        help="always (the default): a process that exits is started again after a backoff; "
+        "never: it stays down (for experiments)",
     )
     parser.add_argument("--drain-grace", type=float, default=30.0, metavar="S")
     parser.add_argument(
@@ -224,7 +243,86 @@ def _run_up(args: argparse.Namespace) -> int:
         drain_grace_s=args.drain_grace,
         web_listen=web,
     )
-    return run(config, args.state, sys.stdout)
+    if args.substrate == "leasefs":
+        from fleet_sim.leasefs.errors import LeaseFsError
+        from fleet_sim.leasefs.mount import check_fuse_available
+
+        try:
+            check_fuse_available()
+        except LeaseFsError as exc:
+            raise UsageError(f"--substrate leasefs needs FUSE: {exc}") from None
+    state = args.state.resolve() if args.state else None
+    return run(
+        config,
+        state,
+        sys.stdout,
+        substrate_name=args.substrate,
+        restart=args.restart == "always",
+    )
+
+
+# --- fault ---
+
+
+def _register_fault(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from fleet_sim.supervisor import VERBS
+
+    parser = subparsers.add_parser(
+        "fault",
+        help="fault a process of a running `fleet-sim up`",
+        description=(
+            "Do one fault to one process of a running `fleet-sim up`, through that fleet's "
+            "supervisor, and print what was done. kill: SIGKILL (the supervisor starts it "
+            "again unless up ran with --restart never); freeze / thaw: SIGSTOP / SIGCONT, of a "
+            "replica and its host's file-system client where the substrate has one (on leasefs "
+            "its mount stops answering, so its lease runs out); drain: SIGTERM; partition / "
+            "heal, hang / unhang: the replica's mount (leasefs); restart: drain, then start "
+            "again at once (or start a process that is down). pause, resume and term are the "
+            "names deploy/*/fault.sh uses for freeze, thaw and drain. `status` lists the "
+            "processes instead."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("verb", choices=[*VERBS, "status"], metavar="VERB", help="the fault")
+    parser.add_argument(
+        "target",
+        nargs="?",
+        metavar="TARGET",
+        help="r1..r6, edge, control-plane, sandbox, model or page (not for status)",
+    )
+    parser.add_argument(
+        "--state",
+        type=Path,
+        default=Path("fleet-data") / "state.json",
+        metavar="FILE",
+        help="the fleet's state file (default: ./fleet-data/state.json, as `fleet-sim up` "
+        "writes it by default)",
+    )
+    parser.set_defaults(handler=_run_fault)
+
+
+def _run_fault(args: argparse.Namespace) -> int:
+    from fleet_sim.upctl import ControlError, fault, status
+
+    try:
+        if args.verb == "status":
+            if args.target:
+                raise UsageError("status takes no target")
+            rows = status(args.state)
+            print(f"{'PROCESS':<14} {'PID':>7}  {'STATE':<9} {'RESTARTS':>8}  STORAGE")
+            for row in rows:
+                print(
+                    f"{row['name']:<14} {row['pid']:>7}  {row['state']:<9} "
+                    f"{row['restarts']:>8}  {' '.join(row['storage']) or '-'}"
+                )
+            return EXIT_OK
+        if not args.target:
+            raise UsageError(f"{args.verb} needs a TARGET (a process of the fleet, e.g. r1)")
+        print(fault(args.state, args.verb, args.target))
+        return EXIT_OK
+    except ControlError as exc:
+        print(f"fleet-sim fault: {exc}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 # --- chat ---
@@ -267,6 +365,7 @@ _REGISTRARS: Final[
     tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...]
 ] = (
     _register_up,
+    _register_fault,
     _register_chat,
     _register_scenarios,
     _register_keys,
@@ -281,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "example:\n"
             "  fleet-sim up                 # a whole fleet on this machine\n"
+            "  fleet-sim fault kill r1      # kill a replica of it (it comes back)\n"
             "  fleet-sim keys --dir ./keys\n"
             "  fleet-sim grant --keys ./keys --tenant acme --session a07-s3.demo\n\n"
             "Run 'fleet-sim COMMAND --help' for a command's options."

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +30,13 @@ from replica.keyfiles import read_key_file
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 20.0
+_UNSAFE_IN_FILE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def log_name(name: str) -> str:
+    """A process's log file name: a ring name may be any printable ASCII (``10.0.4.17:9000``), a
+    file name here is kept to a safe set, and a leading dot cannot hide it."""
+    return _UNSAFE_IN_FILE_NAME.sub("_", name).lstrip(".") or "_"
 
 
 def _python(module: str, *args: str) -> list[str]:
@@ -153,21 +161,34 @@ class Fleet:
         self._sandbox: Sandbox | None = None
 
     def _spawn(self, name: str, argv: list[str]) -> Proc:
-        proc = Proc(argv, self.root / f"{name}.log").start()
+        proc = Proc(argv, self.root / f"{log_name(name)}.log").start()
         self.procs.append(proc)
         return proc
+
+    def retire(self, proc: Proc) -> None:
+        """Forget a process that has exited (or kill it first): its successor takes its place."""
+        with contextlib.suppress(Exception):
+            proc.stop()
+        with contextlib.suppress(ValueError):
+            self.procs.remove(proc)
 
     @property
     def sandbox(self) -> Sandbox:
         if self._sandbox is None:
-            root = self.root / "sandboxes"
-            proc = self._spawn(
-                "sandbox",
-                _python("fleet_sim.sandbox", "--listen", "127.0.0.1:0", "--root", str(root)),
-            )
-            url = listening(proc.readline())["url"]
-            secret = read_key_file(root / "@sandbox.key", what="sandbox secret")
-            self._sandbox = Sandbox(url.rstrip("/"), secret, proc)
+            self.start_sandbox()
+        assert self._sandbox is not None
+        return self._sandbox
+
+    def start_sandbox(self, listen: str = "127.0.0.1:0") -> Sandbox:
+        """Start the sandbox service (again, on ``listen``: its key file outlives it, so grants
+        minted before a restart still open their sandboxes)."""
+        root = self.root / "sandboxes"
+        proc = self._spawn(
+            "sandbox", _python("fleet_sim.sandbox", "--listen", listen, "--root", str(root))
+        )
+        url = listening(proc.readline())["url"]
+        secret = read_key_file(root / "@sandbox.key", what="sandbox secret")
+        self._sandbox = Sandbox(url.rstrip("/"), secret, proc)
         return self._sandbox
 
     def replica(
@@ -205,19 +226,21 @@ class Fleet:
         info = listening(proc.readline())
         return Replica(name, info["url"], info.get("metrics_url"), proc)
 
-    def model_server(self, *extra: str) -> Service:
-        proc = self._spawn(
-            "model", _python("fleet_sim.model_server", "--listen", "127.0.0.1:0", *extra)
-        )
+    def model_server(self, *extra: str, listen: str = "127.0.0.1:0") -> Service:
+        proc = self._spawn("model", _python("fleet_sim.model_server", "--listen", listen, *extra))
         return Service("model", listening(proc.readline())["url"], None, proc)
 
     def control_plane(
-        self, slices: dict[str, list[str]], edge_url: str | None, grant_ttl_s: int = GRANT_TTL_S
+        self,
+        slices: dict[str, list[str]],
+        edge_url: str | None,
+        grant_ttl_s: int = GRANT_TTL_S,
+        listen: str = "127.0.0.1:0",
     ) -> Service:
         argv = _python(
             "fleet_sim.control_plane",
             "--listen",
-            "127.0.0.1:0",
+            listen,
             "--keys",
             str(self.keys_dir),
             "--sandbox-url",

@@ -9,21 +9,23 @@ to talk to a session; and on Ctrl-C drains the replicas and stops everything, le
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 from fleet_sim.control_plane import GRANT_TTL_S
 from fleet_sim.keys import KeySet
-from fleet_sim.local import Fleet, Replica, Service
+from fleet_sim.local import Fleet, Proc, Replica, Service
 from fleet_sim.ports import free_port
+from fleet_sim.sim.substrates import Substrate
 
 SLICES: dict[str, list[str]] = {"a07": ["a07-s1", "a07-s2"], "a08": ["a08-s1", "a08-s2"]}
 REPLICAS_PER_SLICE = 3
@@ -80,6 +82,9 @@ class LocalFleet:
     replicas: dict[str, tuple[str, Replica]] = field(default_factory=dict)  # name -> (slice, r)
     ports: dict[str, int] = field(default_factory=dict)  # a replica keeps its port on restart
     web: Service | None = None
+    substrate: Substrate | None = None
+    edge_listen: tuple[str, str] = ("127.0.0.1:0", "127.0.0.1:0")  # (listen, metrics)
+    web_listen: str = "127.0.0.1:0"
 
     @property
     def edge_url(self) -> str:
@@ -87,6 +92,7 @@ class LocalFleet:
 
     def state(self) -> dict[str, Any]:
         root = self.config.state_dir
+        substrate = self.substrate
         return {
             "edge_url": self.edge.url,
             "edge_pid": self.edge.proc.proc.pid,
@@ -97,9 +103,12 @@ class LocalFleet:
             "sandbox_url": self.fleet.sandbox.url,
             "sandbox_pid": self.fleet.sandbox.proc.proc.pid,
             "model_url": self.model.url if self.model else None,
+            "model_pid": self.model.proc.proc.pid if self.model else None,
             "web_url": self.web.url if self.web else None,
+            "web_pid": self.web.proc.proc.pid if self.web else None,
             "keys_dir": str(self.fleet.keys_dir),
             "state_dir": str(root),
+            "substrate": substrate.name if substrate else "local-dir",
             "replicas": [
                 {
                     "name": name,
@@ -107,11 +116,78 @@ class LocalFleet:
                     "url": r.url,
                     "metrics_url": r.metrics_url,
                     "pid": r.proc.proc.pid,
+                    "log": str(r.proc.log),
                     "shards": {s: str(self.shard_path(name, s)) for s in SLICES[slice_name]},
+                    **self._storage(name),
                 }
                 for name, (slice_name, r) in self.replicas.items()
             ],
         }
+
+    def _storage(self, replica: str) -> dict[str, Any]:
+        """A replica's mount and file-system client processes, where its substrate has them."""
+        if self.substrate is None:
+            return {}
+        mount = self.substrate.mount_dir(replica)
+        found: dict[str, Any] = {"fs_pids": self.substrate.fs_pids(replica)}
+        if mount is not None:
+            found["mount"] = str(mount)
+        return found
+
+    def processes(self) -> dict[str, tuple[str, Proc]]:
+        """Every process of the fleet by the name a fault names it: name -> (kind, process)."""
+        found: dict[str, tuple[str, Proc]] = {"sandbox": ("sandbox", self.fleet.sandbox.proc)}
+        if self.model is not None:
+            found["model"] = ("model", self.model.proc)
+        found["control-plane"] = ("control-plane", self.control_plane.proc)
+        found.update({name: ("replica", r.proc) for name, (_s, r) in self.replicas.items()})
+        found["edge"] = ("edge", self.edge.proc)
+        if self.web is not None:
+            found["page"] = ("page", self.web.proc)
+        return found
+
+    def respawn(self, name: str) -> Proc:
+        """Start ``name`` again with the same name, address and shards, in place of its
+        predecessor (which is killed if it still runs)."""
+        kind, old = self.processes()[name]
+        self.fleet.retire(old)
+        if kind == "replica":
+            return self.start_replica(name, self.replicas[name][0]).proc
+        if kind == "edge":
+            return self.start_edge().proc
+        if kind == "page":
+            return self.start_page().proc
+        listen = _listen_of(old_url := self._url_of(name))
+        if kind == "sandbox":
+            return self.fleet.start_sandbox(listen).proc
+        if kind == "model":
+            self.model = self.fleet.model_server(listen=listen)
+            return self.model.proc
+        if kind == "control-plane":
+            self.control_plane = self.fleet.control_plane(
+                SLICES, self.edge.url, self.config.grant_ttl_s, listen=listen
+            )
+            return self.control_plane.proc
+        raise KeyError(f"cannot start {name} again ({kind} at {old_url})")
+
+    def _url_of(self, name: str) -> str:
+        if name == "sandbox":
+            return self.fleet.sandbox.url
+        if name == "model" and self.model is not None:
+            return self.model.url
+        return self.control_plane.url
+
+    def start_edge(self) -> Service:
+        listen, metrics = self.edge_listen
+        self.edge = self.fleet.edge(self.write_edge_config(), listen=listen, metrics=metrics)
+        return self.edge
+
+    def start_page(self) -> Service:
+        from fleet_sim.webui.process import spawn
+
+        self.web = spawn(self.fleet, self.web_listen, self.edge.url, self.control_plane.url)
+        self.web_listen = _listen_of(self.web.url)  # port 0 the first time: keep what it got
+        return self.web
 
     @property
     def edge_metrics_url(self) -> str | None:
@@ -145,6 +221,8 @@ class LocalFleet:
 
     def start_replica(self, name: str, slice_name: str) -> Replica:
         """Start (or start again, on the same port) one replica of ``slice_name``."""
+        if name in self.replicas:
+            self.fleet.retire(self.replicas[name][1].proc)
         port = self.ports.setdefault(name, free_port())
         replica = self.fleet.replica(
             name,
@@ -182,7 +260,10 @@ class LocalFleet:
         self.edge.proc.signal(signal.SIGHUP)
 
     def stop(self, drain_timeout_s: float = 60.0) -> None:
-        """Drain replicas (they finish turns in flight), then stop the rest."""
+        """Drain replicas (they finish turns in flight), then stop the rest. A frozen process is
+        let go on first, or it would sit on its SIGTERM until the drain timeout."""
+        for _kind, proc in self.processes().values():
+            proc.signal(signal.SIGCONT)
         for _name, (_slice, replica) in self.replicas.items():
             replica.drain()
         deadline = time.monotonic() + drain_timeout_s
@@ -193,6 +274,11 @@ class LocalFleet:
         with contextlib.suppress(Exception):
             self.edge.proc.wait(10)
         self.fleet.close()
+
+
+def _listen_of(url: str) -> str:
+    """``http://127.0.0.1:8123`` -> ``127.0.0.1:8123``: where a restarted process listens."""
+    return urlsplit(url).netloc
 
 
 def local_dirs(root: Path) -> ShardPath:
@@ -213,7 +299,12 @@ def edge_toml(replicas: dict[str, tuple[str, Replica]], budget_s: float = 120.0)
     return "\n".join(lines)
 
 
-def start(config: UpConfig, shard_path: ShardPath | None = None) -> LocalFleet:
+def start(
+    config: UpConfig, shard_path: ShardPath | None = None, substrate: Substrate | None = None
+) -> LocalFleet:
+    """Start a whole fleet. ``shard_path`` says where each replica finds each shard (default:
+    one local directory for all); ``substrate``, when given, is where those paths live, named in
+    the state and asked for the storage side of faults."""
     root = config.state_dir
     root.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(root)
@@ -231,33 +322,28 @@ def start(config: UpConfig, shard_path: ShardPath | None = None) -> LocalFleet:
             placeholder,
             control,
             model,
-            shard_path or local_dirs(root),
+            shard_path or (substrate.shard_path if substrate else local_dirs(root)),
             f"openai:{model.url}" if model else config.model,
+            substrate=substrate,
         )
-        names = [
-            (f"r{i * config.replicas_per_slice + n + 1}", slice_name)
-            for i, slice_name in enumerate(SLICES)
-            for n in range(config.replicas_per_slice)
-        ]
+        names = replica_names(config)
         # Started side by side: each waits only for its own "listening" line.
         with ThreadPoolExecutor(len(names)) as pool:
             for future in [pool.submit(local.start_replica, n, s) for n, s in names]:
                 future.result()
         local.replicas = dict(sorted(local.replicas.items(), key=lambda kv: int(kv[0][1:])))
-        local.edge = fleet.edge(
-            local.write_edge_config(), listen=f"{host}:{port}", metrics=f"127.0.0.1:{free_port()}"
-        )
+        local.edge_listen = (f"{host}:{port}", f"127.0.0.1:{free_port()}")
+        local.start_edge()
         if config.web_listen is not None:
-            from fleet_sim.webui.process import spawn
-
-            local.web = spawn(fleet, config.web_listen, local.edge.url, control.url)
+            local.web_listen = config.web_listen
+            local.start_page()
     except BaseException:
         fleet.close()
         raise
     return local
 
 
-def instructions(local: LocalFleet, session: dict[str, Any]) -> str:
+def instructions(local: LocalFleet, session: dict[str, Any], state_file: Path) -> str:
     edge = local.edge.url
     sid, grant = session["session_id"], session["grant"]
     page = f"\nOr open the session page in a browser: {local.web.url}\n" if local.web else ""
@@ -279,35 +365,83 @@ Or chat over a WebSocket:
   fleet-sim chat --edge {edge} --session $SID --grant "$GRANT"
 More sessions: curl -d '{{"tenant":"demo"}}' {local.control_plane.url}/v1/sessions
 {page}
+See it survive: kill the replica that owns the session (its name is in the page's fleet view,
+or ask any replica's /v1/sessions), and watch the stream go on from another:
+  fleet-sim fault kill r1 --state {state_file}
+  fleet-sim fault status --state {state_file}
+Faults: kill, freeze, thaw, drain, partition, heal, hang, unhang, restart (of any process:
+r1..r{len(local.replicas)}, edge, control-plane, sandbox, model, page).
+
 Ctrl-C drains the replicas and stops everything; the data stays.
 """
 
 
-def run(config: UpConfig, state_file: Path | None, out: Any) -> int:
-    local = start(config)
-    stop = {"now": False}
+def replica_names(config: UpConfig) -> list[tuple[str, str]]:
+    return [
+        (f"r{i * config.replicas_per_slice + n + 1}", slice_name)
+        for i, slice_name in enumerate(SLICES)
+        for n in range(config.replicas_per_slice)
+    ]
+
+
+def run(
+    config: UpConfig,
+    state_file: Path | None,
+    out: Any,
+    *,
+    substrate_name: str = "local-dir",
+    restart: bool = True,
+) -> int:
+    """``fleet-sim up``: start, supervise until Ctrl-C (or a process that cannot stay up), stop.
+    The state file (default ``<dir>/state.json``) is where ``fleet-sim fault`` finds the fleet."""
+    from fleet_sim.sim.scenario import make_substrate
+    from fleet_sim.supervisor import Supervisor
+    from fleet_sim.upctl import ControlServer
+
+    state_file = state_file or config.state_dir / "state.json"
+    stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
-        stop["now"] = True
+        stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    substrate = make_substrate(substrate_name, config.state_dir)
+    control: ControlServer | None = None
+    local: LocalFleet | None = None
+    supervisor: Supervisor | None = None
     try:
-        if state_file is not None:
-            state_file.write_text(json.dumps(local.state(), indent=2) + "\n")
-        print(instructions(local, local.new_session()), file=out, flush=True)
-        while not stop["now"]:
-            dead = [r for r in local.fleet.procs if r.proc.poll() is not None]
-            if dead:
-                print(
-                    f"fleet-sim up: a process exited: {dead[0].argv[2]} (log: {dead[0].log})",
-                    file=out,
-                    flush=True,
-                )
+        substrate.prepare(
+            [name for name, _slice in replica_names(config)],
+            [shard for shards in SLICES.values() for shard in shards],
+        )
+        local = start(config, substrate=substrate)
+        supervisor = Supervisor(
+            local,
+            out=out,
+            state_file=state_file,
+            restart=restart,
+            extra_state=lambda: control.state() if control else {},
+        )
+        control = ControlServer(supervisor).start()
+        supervisor.write_state()
+        print(instructions(local, local.new_session(), state_file), file=out, flush=True)
+        while not stop.wait(0.2):
+            reason = supervisor.check()
+            if reason is not None:
+                print(f"fleet-sim up: stopping the fleet: {reason}", file=out, flush=True)
                 return 1
-            time.sleep(0.2)
         print("draining and stopping...", file=out, flush=True)
         return 0
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        local.stop()
+        if control is not None:
+            control.close()
+        if supervisor is not None:
+            supervisor.release()
+        if local is not None:
+            local.stop()
+        substrate.close()
+        with contextlib.suppress(FileNotFoundError):
+            if local is not None:
+                state_file.unlink()  # no running fleet now: a fault finds none

@@ -24,7 +24,7 @@ import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
@@ -227,6 +227,21 @@ class ReplicaService:
             return PlainTextResponse("label vocabulary violated\n", 500)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    async def _sessions(self, request: Request) -> Response:
+        """The sessions this replica owns now, for an operator's fleet view. Served only on the
+        loopback metrics listener, beside the counts; ids and epochs, never a tenant, a grant or
+        a line of a transcript."""
+        owned = [
+            {
+                "session_id": live.session_id,
+                "epoch": live.owned.epoch,
+                "running": live.running,
+                "attached": live.attached,
+            }
+            for live in list(self.registry.sessions.values())
+        ]
+        return JSONResponse({"replica": self.config.name, "sessions": owned})
+
     # -- running ----------------------------------------------------------------------------
 
     def request_drain(self) -> None:
@@ -256,7 +271,9 @@ class ReplicaService:
         )
         servers = [server]
         if self.config.metrics_listen is not None:
-            metrics_app = Starlette(routes=[Route("/metrics", self._metrics)])
+            metrics_app = Starlette(
+                routes=[Route("/metrics", self._metrics), Route("/sessions", self._sessions)]
+            )
             mhost, mport = self.config.metrics_listen
             servers.append(
                 _Server(

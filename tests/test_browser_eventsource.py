@@ -149,7 +149,7 @@ def test_browser_follows_a_session_and_resumes_with_last_event_id(
     # in between), and the turn in flight replayed from its start.
     assert resumed["messageIds"] == []
     assert resumed["turnFrames"] > 5
-    log = (fleet.config.state_dir / "webui.log").read_text()
+    log = (fleet.config.state_dir / "page.log").read_text()
     assert f"stream opened: Last-Event-ID {user_two['id']}," in log
     assert "stream from the edge broke off" in log
 

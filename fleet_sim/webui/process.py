@@ -29,5 +29,5 @@ def spawn(fleet: Fleet, listen: str, edge_url: str, control_plane_url: str | Non
     argv = [sys.executable, "-m", "fleet_sim.webui", "--listen", listen, "--edge", edge_url]
     if control_plane_url is not None:
         argv += ["--control-plane", control_plane_url]
-    proc = fleet._spawn("webui", argv)
-    return Service("webui", listening(proc.readline())["url"], None, proc)
+    proc = fleet._spawn("page", argv)
+    return Service("page", listening(proc.readline())["url"], None, proc)
