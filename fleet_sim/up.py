@@ -9,6 +9,7 @@ to talk to a session; and on Ctrl-C drains the replicas and stops everything, le
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import threading
 import time
@@ -63,6 +64,7 @@ class UpConfig:
     retry_budget_s: float = 120.0
     grant_ttl_s: int = GRANT_TTL_S  # how long the control plane's grants are valid
     web_listen: str | None = None  # where the session page is served; None: no page
+    state_file: Path | None = None  # where `up` keeps the state (the page's fleet view reads it)
 
 
 ShardPath = Callable[[str, str], Path]  # (replica name, shard) -> where that replica mounts it
@@ -185,7 +187,13 @@ class LocalFleet:
     def start_page(self) -> Service:
         from fleet_sim.webui.process import spawn
 
-        self.web = spawn(self.fleet, self.web_listen, self.edge.url, self.control_plane.url)
+        self.web = spawn(
+            self.fleet,
+            self.web_listen,
+            self.edge.url,
+            self.control_plane.url,
+            state_file=self.config.state_file,
+        )
         self.web_listen = _listen_of(self.web.url)  # port 0 the first time: keep what it got
         return self.web
 
@@ -399,6 +407,7 @@ def run(
     from fleet_sim.upctl import ControlServer
 
     state_file = state_file or config.state_dir / "state.json"
+    config = dataclasses.replace(config, state_file=state_file)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

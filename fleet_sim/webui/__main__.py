@@ -1,4 +1,4 @@
-"""``python -m fleet_sim.webui --edge URL [--control-plane URL] [--listen 127.0.0.1:PORT]``
+"""``python -m fleet_sim.webui --edge URL [--control-plane URL] [--state FILE] [--listen ...]``
 
 Serves the page and prints one JSON line naming its URL once listening; SIGTERM or SIGINT stops
 it.
@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from aiohttp import web
 
@@ -27,6 +28,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--control-plane", metavar="URL", help="mint sessions here (without it, attach only)"
     )
+    parser.add_argument(
+        "--state",
+        type=Path,
+        metavar="FILE",
+        help="a running `fleet-sim up`'s state file: shows the fleet and takes its faults",
+    )
     return parser
 
 
@@ -40,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = WebConfig(
             edge_url=args.edge.rstrip("/"),
             control_plane_url=args.control_plane.rstrip("/") if args.control_plane else None,
+            state_file=args.state.resolve() if args.state else None,
         )
     except WebUIError as exc:
         print(f"fleet-sim webui: {exc}", file=sys.stderr)

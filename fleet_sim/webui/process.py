@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from fleet_sim.local import Fleet, Service, listening
 from fleet_sim.webui.errors import ConfigError
@@ -25,9 +26,18 @@ def web_listen(value: str | None, edge_listen: str) -> str | None:
     return value
 
 
-def spawn(fleet: Fleet, listen: str, edge_url: str, control_plane_url: str | None) -> Service:
+def spawn(
+    fleet: Fleet,
+    listen: str,
+    edge_url: str,
+    control_plane_url: str | None,
+    *,
+    state_file: Path | None = None,
+) -> Service:
     argv = [sys.executable, "-m", "fleet_sim.webui", "--listen", listen, "--edge", edge_url]
     if control_plane_url is not None:
         argv += ["--control-plane", control_plane_url]
+    if state_file is not None:
+        argv += ["--state", str(state_file)]
     proc = fleet._spawn("page", argv)
     return Service("page", listening(proc.readline())["url"], None, proc)

@@ -69,6 +69,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class WebConfig:
     edge_url: str
     control_plane_url: str | None = None
+    state_file: Path | None = None
+    """A running ``fleet-sim up``'s state: the fleet view and its fault buttons work from it."""
     connect_retry_s: float = 15.0
     """How long a stream request waits for an edge that refuses connections."""
     connect_interval_s: float = 0.25
