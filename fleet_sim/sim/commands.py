@@ -46,12 +46,27 @@ def _sessions(text: str) -> int:
     return value
 
 
+def _absolute(text: str) -> Path:
+    # Made absolute here, against the directory the command is typed in: the fleet's processes
+    # are handed these paths and do not share our working directory.
+    return Path(os.path.abspath(os.path.expanduser(text)))
+
+
+def _fault_command(text: str) -> str:
+    """A command name is left for PATH; a relative path to an existing file is made absolute."""
+    path = os.path.expanduser(text)
+    if os.sep in path and Path(path).is_file():
+        return str(_absolute(path))
+    return text
+
+
 def _attached_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--state", type=Path, metavar="FILE", help="attached: the external fleet's state JSON"
+        "--state", type=_absolute, metavar="FILE", help="attached: the external fleet's state JSON"
     )
     parser.add_argument(
         "--fault-cmd",
+        type=_fault_command,
         metavar="CMD",
         help="attached: the command run as `CMD VERB REPLICA` to inject faults "
         "(e.g. deploy/attached-local/fault.sh)",
@@ -96,10 +111,10 @@ def _attached_target(args: argparse.Namespace, command: str) -> AttachedTarget |
 def _results_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--results",
-        type=Path,
-        default=Path("results"),
+        type=_absolute,
+        default="results",  # a string, so argparse makes it absolute like a given value
         metavar="DIR",
-        help="where each run writes results/<run>/ (default: ./results)",
+        help="where each run writes DIR/<run>/ (default: ./results, in the current directory)",
     )
     parser.add_argument("--quick", action="store_true", help="shorter workloads (CI)")
     parser.add_argument("--seed", type=int, default=0)
