@@ -39,9 +39,9 @@ def test_five_failed_starts_in_a_minute_give_up() -> None:
 def test_failed_starts_outside_the_window_are_forgotten() -> None:
     history = History(started_at=0.0)
     for now in (1.0, 2.0, 3.0, 4.0, 100.0, 101.0):
+        history.started_at = now - 1.0  # each start fails a second after it is made
         decision = after_exit(POLICY, history, now)
         assert isinstance(decision, Restart) and decision.failed_start
-        history.started_at = now
     assert history.failed_starts == [100.0, 101.0]
 
 
