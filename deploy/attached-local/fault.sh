@@ -8,6 +8,8 @@
 #   term R       SIGTERM (a drain) and wait for the exit, up to the drain grace plus 15 s
 #   pause R      SIGSTOP: the process stops, its kernel keeps renewing the lease
 #   resume R     SIGCONT
+#                (drain, freeze and thaw are the names `fleet-sim fault` uses for term, pause
+#                and resume, and are taken here too)
 #   restart R    start R again in its namespace, on its mount, and wait until it is ready
 #   partition R  drop NFS traffic (TCP 2049) inside R's namespace; R's HTTP still answers
 #   heal R       remove that rule
@@ -24,7 +26,7 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 usage() {
-  sed -n '2,17p' "$0" >&2
+  sed -n '2,19p' "$0" >&2
   exit 2
 }
 
@@ -112,9 +114,9 @@ case "$VERB" in
     partition_on "$(netns_of "$TARGET")"
     do_kill
     ;;
-  term) need_replica; do_term ;;
-  pause) need_replica; need_running; kill -STOP "$(pid_of "$TARGET")" ;;
-  resume) need_replica; need_running; kill -CONT "$(pid_of "$TARGET")" ;;
+  term | drain) need_replica; do_term ;;
+  pause | freeze) need_replica; need_running; kill -STOP "$(pid_of "$TARGET")" ;;
+  resume | thaw) need_replica; need_running; kill -CONT "$(pid_of "$TARGET")" ;;
   restart) need_replica; do_restart ;;
   partition | hang) need_replica; need_nfs; partition_on "$(netns_of "$TARGET")" ;;
   heal | unhang) need_replica; need_nfs; partition_off "$(netns_of "$TARGET")" ;;

@@ -7,6 +7,8 @@
 #   term R       stop the task: ECS sends SIGTERM (a drain), SIGKILL after stopTimeout; waits
 #   pause R      SIGSTOP the replica through ECS Exec (held past the container health check's
 #   resume R     ~40 s, ECS replaces the task) / SIGCONT
+#                (drain, freeze and thaw are taken for term, pause and resume, as `fleet-sim
+#                fault` names them)
 #   restart R    wait until R's service runs its task again (ECS restarts it by itself)
 #   partition R  deny TCP 2049 between R's task address and the storage subnet (network ACL)
 #   heal R       remove those entries
@@ -32,7 +34,7 @@ die() {
 }
 
 usage() {
-  sed -n '2,22p' "$0" >&2
+  sed -n '2,24p' "$0" >&2
   exit 2
 }
 
@@ -188,15 +190,15 @@ case "$VERB" in
     partition
     wait_stopped "$(signal_replica KILL)"
     ;;
-  term)
+  term | drain)
     need_replica
     task=$(task_of "$TARGET")
     aws ecs stop-task --cluster "$CLUSTER" --task "$task" --reason "fault.sh term" \
       --query 'task.lastStatus' --output text >/dev/null
     wait_stopped "$task"
     ;;
-  pause) need_replica; signal_replica STOP >/dev/null ;;
-  resume) need_replica; signal_replica CONT >/dev/null ;;
+  pause | freeze) need_replica; signal_replica STOP >/dev/null ;;
+  resume | thaw) need_replica; signal_replica CONT >/dev/null ;;
   restart) need_replica; wait_stable "$TARGET" ;;
   partition | hang) need_replica; partition ;;
   heal | unhang) need_replica; heal ;;
