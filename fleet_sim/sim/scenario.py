@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from edge.ring import Ring
+from fleet_sim.juicefs import JuiceFs
 from fleet_sim.keys import derive_tenant_dek
 from fleet_sim.sim import checkers
 from fleet_sim.sim.checkers import ClaimResult
@@ -35,7 +36,7 @@ from replica.names import parse_session_id
 from replica.store import SessionStore
 
 T = TypeVar("T")
-SUBSTRATES = ("local-dir", "leasefs", "attached")
+SUBSTRATES = ("local-dir", "leasefs", "juicefs", "attached")
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +185,8 @@ def make_substrate(name: str, root: Path) -> Substrate:
         return LocalDir(root)
     if name == "leasefs":
         return LeaseFs(root)
+    if name == "juicefs":
+        return JuiceFs(root)
     raise NotApplicable(f"substrate {name} needs an attached fleet (--state, --fault-cmd)")
 
 
@@ -268,7 +271,7 @@ def run_scenario(
 
 def _mounting(substrate: Substrate) -> Callable[[str, str], Path]:
     def shard_path(replica: str, shard: str) -> Path:
-        if isinstance(substrate, LeaseFs):
+        if isinstance(substrate, LeaseFs | JuiceFs):
             substrate.mount(replica)
         return substrate.shard_path(replica, shard)
 

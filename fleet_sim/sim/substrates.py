@@ -3,6 +3,9 @@
 - ``local-dir``: plain directories shared by every replica; only process faults apply.
 - ``leasefs``: one backing directory and, per replica host, its own leasefs mount of it, so
   locks conflict across hosts as on NFSv4, and a host can be partitioned, hung, made read-only.
+- ``juicefs``: a real distributed file system (``fleet_sim.juicefs``): a Redis metadata engine the
+  fleet owns, one JuiceFS mount per host; a frozen or partitioned host's locks go when its
+  session expires (5 heartbeats), and the engine itself can be restarted.
 - ``attached``: an external fleet (real NFS or EFS) described by a state file and driven through
   a fault command; shards are read from the paths its state names.
 """
