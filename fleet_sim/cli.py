@@ -34,7 +34,7 @@ EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
 DEFAULT_WORKSPACE: Final = "/workspace"
 DEFAULT_EXEC_URL: Final = "http://127.0.0.1:7700"
-UP_SUBSTRATES: Final = ("local-dir", "leasefs")
+UP_SUBSTRATES: Final = ("local-dir", "leasefs", "juicefs")
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -203,7 +203,8 @@ def _register_up(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         default="local-dir",
         choices=UP_SUBSTRATES,
         help="where the shards live: local-dir (one directory, the default), leasefs (a FUSE "
-        "mount per replica host that behaves like NFSv4: partitions and lease expiry)",
+        "mount per replica host that behaves like NFSv4: partitions and lease expiry), juicefs "
+        "(JuiceFS on a Redis the fleet owns, one mount per replica host)",
     )
     parser.add_argument(
         "--restart",
@@ -243,14 +244,23 @@ def _run_up(args: argparse.Namespace) -> int:
         drain_grace_s=args.drain_grace,
         web_listen=web,
     )
-    if args.substrate == "leasefs":
+    if args.substrate == "juicefs":
+        from fleet_sim.juicefs.binaries import juicefs_binary, redis_binary
+        from fleet_sim.juicefs.errors import JuiceFsError
+
+        try:
+            juicefs_binary()
+            redis_binary()
+        except JuiceFsError as exc:
+            raise UsageError(f"--substrate juicefs: {exc}") from None
+    if args.substrate in ("leasefs", "juicefs"):
         from fleet_sim.leasefs.errors import LeaseFsError
         from fleet_sim.leasefs.mount import check_fuse_available
 
         try:
             check_fuse_available()
         except LeaseFsError as exc:
-            raise UsageError(f"--substrate leasefs needs FUSE: {exc}") from None
+            raise UsageError(f"--substrate {args.substrate} needs FUSE: {exc}") from None
     state = args.state.resolve() if args.state else None
     return run(
         config,
@@ -276,8 +286,9 @@ def _register_fault(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
             "again unless up ran with --restart never); freeze / thaw: SIGSTOP / SIGCONT, of a "
             "replica and its host's file-system client where the substrate has one (on leasefs "
             "its mount stops answering, so its lease runs out); drain: SIGTERM; partition / "
-            "heal, hang / unhang: the replica's mount (leasefs); restart: drain, then start "
-            "again at once (or start a process that is down). pause, resume and term are the "
+            "heal, hang / unhang: the replica's mount (leasefs, juicefs); restart: drain, then "
+            "start again at once (or start a process that is down); metadata-restart metadata: "
+            "kill JuiceFS's Redis and start it again from its log. pause, resume and term are the "
             "names deploy/*/fault.sh uses for freeze, thaw and drain. `status` lists the "
             "processes instead."
         ),
@@ -288,7 +299,8 @@ def _register_fault(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         "target",
         nargs="?",
         metavar="TARGET",
-        help="r1..r6, edge, control-plane, sandbox, model or page (not for status)",
+        help="r1..r6, edge, control-plane, sandbox, model or page; `metadata` for "
+        "metadata-restart (juicefs); none for status",
     )
     parser.add_argument(
         "--state",

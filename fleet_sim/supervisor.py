@@ -46,6 +46,7 @@ VERBS: Final = {
     "hang": "hang",
     "unhang": "unhang",
     "restart": "restart",
+    "metadata-restart": "metadata-restart",  # juicefs: its metadata engine, target `metadata`
 }
 STORAGE_VERBS: Final = frozenset({"partition", "heal", "hang", "unhang"})
 ALIASES: Final = {"webui": "page", "control": "control-plane"}
@@ -213,6 +214,8 @@ class Supervisor:
         if action is None:
             raise UnknownVerb(f"unknown fault {verb!r}; one of: {', '.join(VERBS)}")
         name = ALIASES.get(target, target)
+        if action == "metadata-restart":
+            return self._metadata_restart(target)
         with self._lock:
             child = self.children.get(name)
             if child is None:
@@ -284,6 +287,17 @@ class Supervisor:
             return f"{action}ed {child.name}'s {substrate.name} mount"
         child.storage.add(action)
         return f"{action} of {child.name}'s {substrate.name} mount is in force"
+
+    def _metadata_restart(self, target: str) -> str:
+        substrate = self.local.substrate
+        restart = getattr(substrate, "restart_metadata", None)
+        if substrate is None or restart is None:
+            where = substrate.name if substrate else "this fleet"
+            raise FaultError(f"metadata-restart is not possible on {where}: no metadata engine")
+        if target != "metadata":
+            raise UnknownTarget(f"metadata-restart takes the target `metadata`, not {target!r}")
+        restart()  # outside the lock: the engine's restart takes a while, faults may go on
+        return f"killed {substrate.name}'s metadata engine and started it again from its log"
 
     def _restart(self, child: Child) -> str:
         if child.state in (ChildState.DOWN, ChildState.WAITING):
