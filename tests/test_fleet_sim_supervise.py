@@ -309,3 +309,32 @@ def test_up_on_leasefs_names_mounts_and_a_partitioned_owner_is_taken_over(tmp_pa
         assert up.fault("heal", owner[0]).returncode == 0
     finally:
         assert up.stop() == 0
+
+
+@pytest.mark.juicefs
+def test_up_on_juicefs_freezes_a_host_with_its_client_and_restarts_the_metadata(
+    tmp_path: Path,
+) -> None:
+    up = start_up(tmp_path, "--substrate", "juicefs")
+    try:
+        replica = up.replica("r1")
+        assert Path(replica["mount"]).is_dir() and len(replica["fs_pids"]) == 2
+        frozen = up.fault("freeze", "r1")
+        assert frozen.returncode == 0, frozen.stderr
+        for pid in [replica["pid"], *replica["fs_pids"]]:
+            assert "State:\tT" in Path(f"/proc/{pid}/status").read_text()
+        assert up.fault("thaw", "r1").returncode == 0
+        for pid in [replica["pid"], *replica["fs_pids"]]:
+            assert "State:\tT" not in Path(f"/proc/{pid}/status").read_text()
+        session_id, grant = up.session()
+        assert up.chat(session_id, grant, "before").returncode == 0
+        restarted = up.fault("metadata-restart", "metadata")
+        assert restarted.returncode == 0, restarted.stderr
+        chat = up.chat(session_id, grant, "after\nrun: echo metadata-back")
+        assert chat.returncode == 0, chat.stderr
+        assert "[result] metadata-back" in chat.stdout
+        wrong = up.fault("metadata-restart", "r1")
+        assert wrong.returncode == 1 and "takes the target `metadata`" in wrong.stderr
+    finally:
+        assert up.stop() == 0
+    assert str(tmp_path) not in Path("/proc/mounts").read_text()
