@@ -109,19 +109,24 @@ class JuiceFs:
         with self._lock:
             if self.redis is not None:
                 return self.redis
-            redis = self.redis = RedisServer(
+            redis = RedisServer(
                 RedisConfig(self.root / "redis", start_budget_s=self.config.redis_start_budget_s)
             )
-            redis.start()
-            format_volume(
-                redis.url,
-                self.root / "bucket",
-                self.config.volume,
-                self._log("format"),
-                self.config.format_budget_s,
-            )
-            # Straight to Redis, not through a relay: the graders must never be partitioned.
-            self.grader = self._start_mount(GRADER, redis.url, self.root / GRADER)
+            redis.start()  # stops what it started if it fails
+            try:
+                format_volume(
+                    redis.url,
+                    self.root / "bucket",
+                    self.config.volume,
+                    self._log("format"),
+                    self.config.format_budget_s,
+                )
+                # Straight to Redis, not through a relay: the graders are never partitioned.
+                self.grader = self._start_mount(GRADER, redis.url, self.root / GRADER)
+            except BaseException:
+                redis.stop()
+                raise
+            self.redis = redis
             return redis
 
     def mount(self, replica: str) -> None:
@@ -132,10 +137,11 @@ class JuiceFs:
             redis = self.volume()
             relay = self.relays.get(replica)
             if relay is None:
-                relay = self.relays[replica] = RelayProcess(
+                relay = RelayProcess(
                     redis.port, self._log(f"relay-{replica}"), self.config.stop_budget_s
                 )
-                relay.start()
+                relay.start()  # stops what it started if it fails
+                self.relays[replica] = relay
             self.mounts[replica] = self._start_mount(
                 replica, url_for(relay.port), self.root / "mnt" / replica
             )
