@@ -17,6 +17,7 @@ from edge.config import MAX_VNODES, load_config, parse_replica_name
 from edge.errors import EdgeError
 from edge.metrics import parse_listen, require_loopback
 from edge.ring import DEFAULT_VNODES, Ring
+from replica.names import MAX_REPLICA_NAME
 
 MAX_RING_IDS = 100_000
 MAX_ID_LENGTH = 1024
@@ -48,8 +49,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="print the replica walk order for session ids",
         description=(
             "Print one line per session id: the id, then every replica in the order the edge "
-            "tries them (the owner first, then clockwise round the ring). Ids are hashed as "
-            "given; the ring is per slice, so list the replicas of the id's slice."
+            "tries them (the owner first, then clockwise round the ring). Ids and replica names "
+            "are hashed as given; the ring is per slice, so list the replicas of the id's slice."
         ),
     )
     ring.add_argument(
@@ -57,7 +58,9 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         action="append",
         required=True,
-        help="a replica's ring name (repeat for each replica of the slice)",
+        help="a replica's ring name, as in the edge config: printable ASCII without "
+        f"whitespace, 1-{MAX_REPLICA_NAME} bytes, e.g. r1 or 10.0.4.17:9000 (repeat for each "
+        "replica of the slice)",
     )
     ring.add_argument(
         "--vnodes",

@@ -105,7 +105,12 @@ def _add_serve(commands: Any) -> None:
         help="on SIGTERM, let running turns finish for up to S seconds (default 0)",
     )
     add("--metrics-listen", metavar="127.0.0.1:PORT", help="loopback-only Prometheus listener")
-    add("--name", default="replica", help="this replica's name (logs, segment headers)")
+    add(
+        "--name",
+        default="replica",
+        help="this replica's name in logs and segment headers, by the ring's rule: printable "
+        "ASCII without whitespace, 1-255 bytes (use its ring name, e.g. r1 or 10.0.4.17:9000)",
+    )
     add("--turn-max-steps", type=int, default=DEFAULT_BUDGET.max_steps, metavar="N")
     add("--turn-max-tokens", type=int, default=DEFAULT_BUDGET.max_tokens, metavar="N")
     add(

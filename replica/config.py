@@ -20,7 +20,7 @@ from replica.errors import ConfigError, InvalidName
 from replica.keyfiles import parse_grant_key_arg, read_key_file, read_seal_key
 from replica.metrics import require_loopback
 from replica.model import ModelSpec, parse_model_spec
-from replica.names import Shard, parse_shard
+from replica.names import Shard, parse_replica_name, parse_shard
 
 SERVICE_IDLE_TIMEOUT_S = 60.0
 DAEMON_IDLE_TIMEOUT_S = 3600.0
@@ -90,6 +90,13 @@ class ServeConfig:
     stream_queue_frames: int = 2048
     audience: str = "beyond-fleet"
     issuer: str = "beyond-control-plane"
+
+
+def _replica_name(value: str) -> str:
+    try:
+        return parse_replica_name(value)
+    except InvalidName as exc:
+        raise ConfigError(f"--name: {exc}") from None
 
 
 def build_config(
@@ -167,7 +174,7 @@ def build_config(
         session_idle_timeout_s=idle,
         drain_grace_s=drain_grace,
         metrics_listen=metrics,
-        name=name,
+        name=_replica_name(name),
         budget=budget,
         keepalive_s=keepalive_s,
         stream_queue_frames=stream_queue_frames,

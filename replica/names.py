@@ -7,6 +7,12 @@ outside it: no ``/``, no ``..``, no NUL, no empty part, no look-alike non-ASCII 
 
 This is the only parser of these names in the project; the edge imports it too, so the edge and
 the replica can never disagree about which slice an id belongs to.
+
+Replica names are the exception to "names that become paths": the ring hashes a replica's name
+as bytes, so a deployment may name replicas by address (``10.0.4.17:9000``) and the rule is only
+what keeps a name one token in a log line or a ``fleet-edge ring`` output: printable ASCII
+without whitespace. A name may therefore hold ``/`` or ``..``; whatever puts one in a file name
+must encode it there (see ``replica.probes``).
 """
 
 from __future__ import annotations
@@ -21,12 +27,17 @@ MAX_SHARD = 64
 MAX_SLICE = 32
 MAX_OPAQUE = 96
 MAX_TENANT = 128
+MAX_REPLICA_NAME = 255
 MAX_SESSION_ID = MAX_SHARD + 1 + MAX_OPAQUE
 
 _SLICE = re.compile(r"[A-Za-z0-9_]+")
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_-]+")
 _OPAQUE = re.compile(r"[A-Za-z0-9_-]+")
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+REPLICA_NAME_RULE = (
+    f"a replica name is 1-{MAX_REPLICA_NAME} bytes of printable ASCII without whitespace "
+    "(0x21-0x7e), e.g. r1 or 10.0.4.17:9000"
+)
 
 
 def _require_str(value: object, what: str) -> str:
@@ -101,6 +112,25 @@ def parse_tenant(value: object) -> str:
         raise InvalidName(
             f"tenant must be 1-{MAX_TENANT} characters of [A-Za-z0-9_.-], "
             "starting with a letter or digit, without '..'"
+        )
+    return text
+
+
+def parse_replica_name(value: object) -> str:
+    """A replica's (ring) name, returned unchanged: the ring hashes exactly these bytes."""
+    text = _require_str(value, "replica name")
+    if not text:
+        raise InvalidName(f"replica name is empty; {REPLICA_NAME_RULE}")
+    # ASCII only, so characters and bytes are the same count.
+    bad = next((i for i, c in enumerate(text) if not "\x21" <= c <= "\x7e"), None)
+    if bad is not None:
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        raise InvalidName(
+            f"replica name {shown!a} has {text[bad]!a} at position {bad}; {REPLICA_NAME_RULE}"
+        )
+    if len(text) > MAX_REPLICA_NAME:
+        raise InvalidName(
+            f"replica name {text[:40]!a}... is {len(text)} bytes long; {REPLICA_NAME_RULE}"
         )
     return text
 

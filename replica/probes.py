@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -35,13 +37,24 @@ class ProbeResult:
     seconds: float
 
 
+def probe_file_name(owner: str, pid: int) -> str:
+    """The probe file's name for ``owner``: one per replica process sharing the shard.
+
+    A replica's name follows the ring's rule (up to 255 bytes, ``/`` and ``..`` allowed), so it
+    cannot be a file name as it stands: the readable part keeps only safe characters, and a
+    digest of the exact name keeps two names that read the same apart."""
+    readable = re.sub(r"[^A-Za-z0-9_-]", "_", owner)[:32]
+    digest = hashlib.blake2b(owner.encode(), digest_size=8).hexdigest()
+    return f"{readable}-{digest}.{pid}"
+
+
 def write_probe(root: Path, owner: str) -> None:
     """One round trip to the storage server: create, write, fsync, remove."""
     if not root.is_dir():
         raise FileNotFoundError(errno.ENOENT, "shard root is missing")
     directory = root / PROBE_DIR
     directory.mkdir(exist_ok=True)
-    path = directory / f"{owner}.{os.getpid()}"
+    path = directory / probe_file_name(owner, os.getpid())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, b"probe")

@@ -7,7 +7,7 @@ import pytest
 from edge.config import EdgeOptions, load_config, parse_config_text
 from edge.errors import ConfigError, EdgeError, MalformedSessionId, RoutingError, UnknownSlice
 from edge.retry import RetryPolicy
-from edge.ring import Ring
+from edge.ring import Ring, ring_hash
 
 GOOD = """
 [edge]
@@ -115,10 +115,15 @@ def test_slice_for_errors_map_to_distinct_statuses() -> None:
         ('[[slice]]\nname = "a07"\nreplicas = [{ url = "http://h:1" }]\n', "missing 'name'"),
         ('[[slice]]\nname = "a07"\nreplicas = [{ name = "r1" }]\n', "missing 'url'"),
         (SLICE.replace('"r1", url', '"r1", port = 1, url'), "unknown key 'port'"),
-        (SLICE.replace('"r1"', '"r 1"'), "replicas[0].name: replica name must be"),
-        (SLICE.replace('"r1"', '""'), "replicas[0].name"),
-        (SLICE.replace('"r1"', '"' + "r" * 65 + '"'), "replicas[0].name"),
-        (SLICE.replace('"r1"', "7"), "replicas[0].name"),
+        (SLICE.replace('"r1"', '"r 1"'), "replicas[0].name: replica name 'r 1' has ' ' at"),
+        (SLICE.replace('"r1"', '"r\\t1"'), "replicas[0].name: replica name 'r\\t1' has '\\t' at"),
+        (SLICE.replace('"r1"', '"r\\u0001"'), "replicas[0].name: replica name 'r\\x01' has"),
+        (SLICE.replace('"r1"', '"r\\u007f"'), "replicas[0].name: replica name 'r\\x7f' has"),
+        (SLICE.replace('"r1"', '"r\u00e9"'), "replicas[0].name: replica name 'r\\xe9' has"),
+        (SLICE.replace('"r1"', '""'), "replicas[0].name: replica name is empty"),
+        (SLICE.replace('"r1"', '"' + "r" * 256 + '"'), "replicas[0].name: replica name 'rrr"),
+        (SLICE.replace('"r1"', '"' + "r" * 256 + '"'), "is 256 bytes long"),
+        (SLICE.replace('"r1"', "7"), "replicas[0].name: replica name must be a string"),
         (SLICE.replace("http://127.0.0.1:9101", "ftp://h:1"), "must start with http"),
         (SLICE.replace("http://127.0.0.1:9101", "http://127.0.0.1"), "must name a port"),
         (SLICE.replace("9101", "99999"), "url"),
@@ -153,6 +158,30 @@ def test_unreadable_file_is_a_config_error(tmp_path: Path) -> None:
     bad.write_text("[edge]\nretry_budget_s = -1\n" + SLICE)
     with pytest.raises(ConfigError, match=r"bad\.toml: \[edge\] retry_budget_s"):
         load_config(bad)
+
+
+@pytest.mark.parametrize("text", [SLICE.replace('"r1"', '"r 1"'), SLICE.replace('"r1"', '""')])
+def test_a_refused_replica_name_states_the_rule(text: str) -> None:
+    with pytest.raises(ConfigError, match="1-255 bytes of printable ASCII without whitespace"):
+        parse_config_text(text)
+
+
+def test_replicas_named_by_address_are_placed_by_those_bytes() -> None:
+    names = ("10.0.4.17:9000", "10.0.4.18:9000", "[fd00::3]:9000", "rack/2/r" + "x" * 247)
+    entries = ", ".join(
+        f'{{ name = "{name}", url = "http://127.0.0.1:{9101 + i}" }}'
+        for i, name in enumerate(names)
+    )
+    config = parse_config_text(f'[[slice]]\nname = "a07"\nreplicas = [{entries}]\n')
+    a07 = config.slice_named("a07")
+    assert tuple(r.name for r in a07.replicas) == names  # kept exactly as written
+    assert len(names[-1]) == 255
+    assert a07.ring == Ring(names)
+    # Positions are the ring hash of the name's bytes, "#", the vnode: nothing normalised away.
+    expected = sorted(ring_hash(f"{name}#{i}".encode()) for name in names for i in range(64))
+    assert list(a07.ring._positions) == expected
+    for sid in (f"a07-s1.{i:04d}" for i in range(200)):
+        assert tuple(r.name for r in a07.walk(sid)) == Ring(names).walk(sid)
 
 
 def test_same_replica_name_may_serve_two_slices() -> None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -9,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from replica.probes import PROBE_DIR, ProbeResult, Readiness, ShardProbe, write_probe
+from replica.probes import (
+    PROBE_DIR,
+    ProbeResult,
+    Readiness,
+    ShardProbe,
+    probe_file_name,
+    write_probe,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -122,6 +130,33 @@ async def test_real_probe_on_present_and_missing_roots(tmp_path: Path) -> None:
     assert (await ShardProbe("a07-s3", afile, "r1").check()).reason == "shard a07-s3 is missing"
     with pytest.raises(FileNotFoundError):
         write_probe(tmp_path / "absent", "r1")
+
+
+@pytest.mark.parametrize(
+    "owner", ["10.0.4.17:9000", "../../escaped", "rack/7/r1", ".", "..", "r" * 255, "~!$*?<>|\\"]
+)
+async def test_any_replica_name_probes_inside_the_probe_directory(
+    tmp_path: Path, owner: str
+) -> None:
+    # A ring name may hold '/' and '..' and run to 255 bytes: none of that reaches the path
+    # (before, "rack/7/r1" named a directory that does not exist and the shard read as missing).
+    name = probe_file_name(owner, 4194304)
+    assert "/" not in name and name not in (".", "..") and not name.startswith(".")
+    assert len(name.encode()) <= 64
+    root = tmp_path / "shard"
+    root.mkdir()
+    result = await ShardProbe("a07-s1", root, owner).check()
+    assert result.ok, result
+    assert os.listdir(tmp_path) == ["shard"] and os.listdir(root) == [PROBE_DIR]
+    assert os.listdir(root / PROBE_DIR) == []  # the probe file is removed
+
+
+def test_probe_file_names_keep_distinct_replicas_apart() -> None:
+    owners = ["10.0.4.17:9000", "10.0.4.17_9000", "10.0.4.17/9000", "r" * 254 + "a", "r" * 255]
+    names = {probe_file_name(owner, 7) for owner in owners}
+    assert len(names) == len(owners)
+    assert probe_file_name("r1", 7) == probe_file_name("r1", 7) != probe_file_name("r1", 8)
+    assert probe_file_name("10.0.4.17:9000", 7).startswith("10_0_4_17_9000-")
 
 
 async def test_readiness(tmp_path: Path, hung: Hung) -> None:
