@@ -9,6 +9,7 @@ every process it started, whatever happened; tests and benchmarks build on this.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -35,8 +36,12 @@ _UNSAFE_IN_FILE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 
 def log_name(name: str) -> str:
     """A process's log file name: a ring name may be any printable ASCII (``10.0.4.17:9000``), a
-    file name here is kept to a safe set, and a leading dot cannot hide it."""
-    return _UNSAFE_IN_FILE_NAME.sub("_", name).lstrip(".") or "_"
+    file name here is kept to a safe set (a leading dot cannot hide it), and a name that had to
+    change carries a digest of itself, so ``a:1`` and ``a_1`` keep logs of their own."""
+    safe = _UNSAFE_IN_FILE_NAME.sub("_", name).lstrip(".")
+    if safe == name:
+        return name
+    return f"{safe or '_'}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
 def _python(module: str, *args: str) -> list[str]:
