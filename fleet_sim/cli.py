@@ -314,18 +314,21 @@ def _register_fault(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def _run_fault(args: argparse.Namespace) -> int:
-    from fleet_sim.upctl import ControlError, fault, status
+    from fleet_sim.upctl import ControlError, fault, owned_sessions, read_state, status
 
     try:
         if args.verb == "status":
             if args.target:
                 raise UsageError("status takes no target")
             rows = status(args.state)
-            print(f"{'PROCESS':<14} {'PID':>7}  {'STATE':<9} {'RESTARTS':>8}  STORAGE")
+            owned = owned_sessions(read_state(args.state))
+            print(f"{'PROCESS':<14} {'PID':>7}  {'STATE':<9} {'RESTARTS':>8}  {'STORAGE':<9} OWNS")
             for row in rows:
+                owns = owned.get(row["name"])
                 print(
                     f"{row['name']:<14} {row['pid']:>7}  {row['state']:<9} "
-                    f"{row['restarts']:>8}  {' '.join(row['storage']) or '-'}"
+                    f"{row['restarts']:>8}  {' '.join(row['storage']) or '-':<9} "
+                    + ("-" if owns is None else " ".join(owns) or "no session")
                 )
             return EXIT_OK
         if not args.target:

@@ -373,10 +373,10 @@ Or chat over a WebSocket:
   fleet-sim chat --edge {edge} --session $SID --grant "$GRANT"
 More sessions: curl -d '{{"tenant":"demo"}}' {local.control_plane.url}/v1/sessions
 {page}
-See it survive: kill the replica that owns the session (its name is in the page's fleet view,
-or ask any replica's /v1/sessions), and watch the stream go on from another:
-  fleet-sim fault kill r1 --state {state_file}
+See it survive: find the replica that owns the session (the page's fleet view shows it, and so
+does the OWNS column of `fleet-sim fault status`), kill it, and send the next prompt:
   fleet-sim fault status --state {state_file}
+  fleet-sim fault kill r1 --state {state_file}
 Faults: kill, freeze, thaw, drain, partition, heal, hang, unhang, restart (of any process:
 r1..r{len(local.replicas)}, edge, control-plane, sandbox, model, page).
 

@@ -184,3 +184,20 @@ def fault(state_file: Path, verb: str, target: str) -> str:
 def status(state_file: Path) -> list[dict[str, Any]]:
     processes: list[dict[str, Any]] = request(state_file, "GET", "/v1/status")["processes"]
     return processes
+
+
+def owned_sessions(state: dict[str, Any], timeout_s: float = 0.5) -> dict[str, list[str]]:
+    """Replica name -> the ids of the sessions it owns now, from each replica's loopback
+    ``/sessions``; a replica that does not answer in ``timeout_s`` (frozen, starting) is left
+    out."""
+    found: dict[str, list[str]] = {}
+    for replica in state.get("replicas", []):
+        metrics = replica.get("metrics_url")
+        if not metrics:
+            continue
+        try:
+            listed = httpx.get(metrics.replace("/metrics", "/sessions"), timeout=timeout_s)
+            found[replica["name"]] = [s["session_id"] for s in listed.json()["sessions"]]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            continue
+    return found
