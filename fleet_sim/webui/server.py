@@ -13,6 +13,9 @@ committed message it saw. When the edge goes away mid-stream the response simply
 what makes ``EventSource`` reconnect; a reconnect that finds the edge still down waits for it a
 bounded time (connection errors only, and only for the stream, which is safe to repeat), since an
 HTTP error would make the browser give up for good. Commands are never retried.
+
+Started with a running fleet's state file, it also serves the fleet view and its fault buttons
+(:mod:`fleet_sim.webui.fleet`); the control endpoint's token stays here with the grants.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from fleet_sim.webui.errors import ConfigError
+from fleet_sim.webui.fleet import FleetView
 from fleet_sim.webui.guard import Allowed, refusal
 from fleet_sim.webui.store import GrantStore, Held
 from replica.errors import InvalidName
@@ -50,6 +54,7 @@ _EVENT_ID = re.compile(r"[A-Za-z0-9_\-]{1,128}")
 _PAGES: Final = {
     "/": ("index.html", "text/html"),
     "/app.js": ("app.js", "text/javascript"),
+    "/fleet.js": ("fleet.js", "text/javascript"),
     "/style.css": ("style.css", "text/css"),
 }
 _PAGE_HEADERS: Final = {
@@ -108,6 +113,7 @@ class WebUI:
         self.store = store or GrantStore()
         self.allowed = Allowed(frozenset())  # set once the port is known
         self._http: aiohttp.ClientSession | None = None
+        self.fleet = FleetView(config.state_file) if config.state_file is not None else None
         self._pages = {path: (STATIC / name).read_bytes() for path, (name, _) in _PAGES.items()}
 
     @property
@@ -126,6 +132,8 @@ class WebUI:
         app.router.add_delete("/api/sessions", self.forget)
         app.router.add_post("/api/agent", self.command)
         app.router.add_get("/api/events", self.events)
+        app.router.add_get("/api/fleet", self.fleet_view)
+        app.router.add_post("/api/fault", self.fault)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -139,8 +147,12 @@ class WebUI:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             auto_decompress=False,
         )
+        if self.fleet is not None:
+            await self.fleet.start()
 
     async def _stop(self, app: web.Application) -> None:
+        if self.fleet is not None:
+            await self.fleet.close()
         if self._http is not None:
             await self._http.close()
 
@@ -170,6 +182,7 @@ class WebUI:
             {
                 "edge_url": self.config.edge_url,
                 "can_mint": self.config.control_plane_url is not None,
+                "fleet": self.fleet is not None,
             }
         )
 
@@ -249,6 +262,28 @@ class WebUI:
         if held is None:
             return _text(401, "this browser holds no grant for that session: open or attach it")
         return held
+
+    # -- the fleet ------------------------------------------------------------------------------
+
+    async def fleet_view(self, request: web.Request) -> web.Response:
+        if self.fleet is None:
+            return _no_fleet()
+        open_id = None
+        if "session_id" in request.query:
+            held = self._held(request)
+            if isinstance(held, web.Response):
+                return held
+            open_id = held.session_id
+        return web.json_response(await self.fleet.view(open_id))
+
+    async def fault(self, request: web.Request) -> web.Response:
+        if self.fleet is None:
+            return _no_fleet()
+        body = await _json_object(request)
+        if isinstance(body, web.Response):
+            return web.json_response({"error": 'expected {"verb": ..., "target": ...}'}, status=400)
+        status, answer = await self.fleet.fault(body.get("verb"), body.get("target"))
+        return web.json_response(answer, status=status)
 
     # -- the proxy --------------------------------------------------------------------------
 
@@ -426,6 +461,16 @@ async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
     if not isinstance(body, dict):
         return _text(400, "the body must be a JSON object")
     return body
+
+
+def _no_fleet() -> web.Response:
+    return web.json_response(
+        {
+            "error": "this page server was started without --state, so it has no fleet to "
+            "show (`fleet-sim up` starts it with one)"
+        },
+        status=404,
+    )
 
 
 def _text(status: int, message: str) -> web.Response:

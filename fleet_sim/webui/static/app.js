@@ -3,6 +3,9 @@
 // from its event frames and replaced by the transcript once its output is committed. A resumed
 // stream's catch-up replays the turn in flight from its start, so the live block is rebuilt from
 // it rather than appended to: every reply is shown once, whatever the stream went through.
+// A reply whose replica died mid-turn is not replayed by the replica that takes the session
+// over (the prompt is committed, the run is lost): the page keeps what it had streamed, marked
+// lost, rather than letting it vanish.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -16,7 +19,8 @@ const state = {
   lastEventId: "",
   receivedIds: [],     // ids carried by catch-up and committed frames, in arrival order
   catchups: [],        // {after, opens, messageIds, turnFrames}: what each (re)connect brought
-  timeline: [],        // {kind: "message", message} | {kind: "mark", text, cls}
+  timeline: [],        // {kind: "message", message} | {kind: "mark", text, cls} | {kind: "lost", text}
+  brokeAt: null,       // when the stream last broke (performance.now()), until it resumes
   messageIds: new Set(),
   committedLeaves: new Set(),
   live: null,          // {runId, frames, ended}
@@ -103,7 +107,7 @@ async function forget(sessionId) {
 
 function resetView() {
   Object.assign(state, {
-    opens: 0, reconnects: 0, lastEventId: "", receivedIds: [], catchups: [], timeline: [],
+    opens: 0, reconnects: 0, lastEventId: "", receivedIds: [], catchups: [], timeline: [], brokeAt: null,
     messageIds: new Set(), committedLeaves: new Set(), live: null, doneRuns: new Set(),
     syncing: Promise.resolve(),
   });
@@ -150,6 +154,7 @@ function follow(sessionId) {
       setStreamState("closed", "closed");
       mark("the stream was refused; pick the session again to follow it", "problem");
     } else {
+      if (state.brokeAt === null) state.brokeAt = performance.now();
       setStreamState("reconnecting", "reconnecting…");
     }
   });
@@ -161,10 +166,18 @@ function onFrame(frame, eventId) {
     case "catchup": {
       const after = state.lastEventId;
       if (state.opens > 1) {
+        const lost = keepLostReply(frame);
+        const gap = state.brokeAt === null ? "" :
+          ` (${((performance.now() - state.brokeAt) / 1000).toFixed(1)} s without a stream)`;
         mark(`↻ stream resumed after ${after ? short(after) : "the start"}: ` +
-             `${frame.messages.length} new message(s), turn replayed from ${frame.turn.length} frame(s)`,
+             `${frame.messages.length} new message(s), turn replayed from ${frame.turn.length} frame(s)${gap}`,
              "reconnect");
+        if (lost) {
+          mark("the replica running that reply stopped, so the reply was lost; the prompt is " +
+               "kept in the transcript: send a new prompt to go on", "problem");
+        }
       }
+      state.brokeAt = null;
       state.catchups.push({
         after, opens: state.opens,
         messageIds: frame.messages.map((m) => m.id), turnFrames: frame.turn.length,
@@ -200,6 +213,20 @@ function onFrame(frame, eventId) {
   }
   if (eventId) state.lastEventId = eventId;
   draw();
+}
+
+// The replica that ran the reply in flight is gone if the catch-up neither replays that run nor
+// brings a reply committed meanwhile.
+function keepLostReply(frame) {
+  const live = state.live;
+  if (!live || live.ended) return false;
+  const replayed = frame.turn.some((f) => f.type === "event" && f.event.run_id === live.runId);
+  const committed = frame.messages.some((m) => m.role === "assistant");
+  if (replayed || committed) return false;
+  const text = live.frames.filter((f) => f.kind === "text_delta").map((f) => f.text).join("");
+  state.timeline.push({ kind: "lost", text, runId: live.runId });
+  state.doneRuns.add(live.runId);
+  return true;
 }
 
 function onEvent(event) {
@@ -335,6 +362,14 @@ function drawNow() {
       view.append(el("div", `mark ${item.cls}`, item.text));
       continue;
     }
+    if (item.kind === "lost") {
+      const box = el("div", "msg assistant lost");
+      const who = el("div", "who", "Agent");
+      who.append(el("span", "badge bad", "lost"));
+      box.append(who, el("div", "text", item.text || "(nothing had arrived yet)"));
+      view.append(box);
+      continue;
+    }
     view.append(drawMessage(item.message));
     if (state.committedLeaves.has(item.message.id)) {
       view.append(el("div", "mark committed", `✓ committed ${short(item.message.id)}`));
@@ -446,8 +481,12 @@ window.fleetPage = {
         ended: Boolean(state.live.ended),
       },
       readyState: state.source ? state.source.readyState : null,
+      marks: state.timeline.filter((i) => i.kind === "mark").map((i) => i.text),
+      lost: state.timeline.filter((i) => i.kind === "lost").map((i) => i.text),
     };
   },
+  current() { return state.current; },
+  mark,
   follow,
   send,
 };
