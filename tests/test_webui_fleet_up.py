@@ -345,6 +345,7 @@ async def kill_the_owner_from_the_page(up: Up, port: int, shot: Path) -> dict[st
         await prompt(page, "still there?\nwords: 60")
         await page.wait_for(f"{live_words()} > 10", within_s=30)
         await page.wait_for(finished(2), within_s=60)
+        await page.wait_for(f"{FLEET}.session.running === false")  # the view has caught up
 
         await asyncio.to_thread(shot.write_bytes, await page.screenshot())
         seen: dict[str, Any] = await page.evaluate(SNAPSHOT)

@@ -218,8 +218,11 @@
       parts.badge.className = `state ${r.badge}`;
       parts.badge.textContent = r.label;
       parts.badge.title = r.readiness;
-      const restarts = r.restarts ? ` · restarted ${r.restarts}×` : "";
+      const restarts = r.restarts ? ` · ↻ ${r.restarts}` : "";
       parts.meta.textContent = r.pid ? `pid ${r.pid}${restarts}` : restarts.slice(3);
+      parts.meta.title = r.restarts
+        ? `started again ${r.restarts === 1 ? "once" : `${r.restarts} times`} by the fleet`
+        : "";
       drawOwned(parts, r);
       for (const f of FAULTS) {
         const button = parts.buttons.get(f.verb);
