@@ -97,6 +97,10 @@ def mount_argv(
         str(cache_dir),
         "--cache-size",
         str(options.cache_size_mib),
+        # JuiceFS's virtual files (.accesslog, .stats, .config, .trash) stay reachable by name
+        # but leave the root's listing: whatever walks the tree (a grader scanning every file
+        # for a leaked secret) would otherwise open .accesslog, a read that never ends.
+        "--hide-internal",
         # Metrics cannot be switched off; port 0 makes the client bind a free loopback port.
         "--metrics",
         "127.0.0.1:0",
