@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import ipaddress
+import json
 import os
 import signal
 import struct
@@ -365,7 +366,8 @@ def test_nothing_the_substrate_runs_talks_beyond_this_machine(fs: JuiceFs) -> No
     write_synced(fs.shard_path("a", "s") / "f", b"x")
     assert (fs.shard_path("b", "s") / "f").read_bytes() == b"x"
     pids = fs.pids()
-    assert len(pids) == 1 + 2 + 3 * 2  # redis, two relays, three clients of two processes
+    # The warden, Redis, two relays, and three clients of two processes each.
+    assert len(pids) == 1 + 1 + 2 + 3 * 2
     juicefs = juicefs_binary().resolve()
     for pid in pids:
         if Path(os.readlink(f"/proc/{pid}/exe")) == juicefs:
@@ -453,6 +455,43 @@ def test_close_ends_everything_whatever_state_the_hosts_are_in(
     assert [pid for pid in started if alive(pid)] == []
     assert mounted_under(root) == []
     assert stuck.answered(5)  # the hung call was released, not left in the kernel
+
+
+# A simulator of its own, killed outright once its hosts are up.
+OWNER = r"""
+import json, sys
+from pathlib import Path
+from fleet_sim.juicefs import JuiceFs, JuiceFsConfig
+fs = JuiceFs(Path(sys.argv[1]), JuiceFsConfig(heartbeat_s=1.0))
+fs.prepare(["a"], ["s"])
+fs.freeze("a")  # a stopped client too: it must still be ended
+print(json.dumps(fs.pids()), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.juicefs
+@pytest.mark.timeout(60)
+def test_a_simulator_killed_outright_leaves_nothing_behind(tmp_path: Path) -> None:
+    root = tmp_path / "jfs"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert owner.stdout is not None
+        pids = json.loads(owner.stdout.readline())
+        assert len(mounted_under(root)) == 2
+    finally:
+        owner.kill()
+        owner.wait(timeout=10)
+        for pipe in (owner.stdin, owner.stdout):
+            if pipe is not None:
+                pipe.close()
+    wait_for(lambda: not any(alive(pid) for pid in pids), 15, "the warden ends every process")
+    wait_for(lambda: mounted_under(root) == [], 15, "the warden detaches every mount")
 
 
 # -- failures name their logs ------------------------------------------------------------------

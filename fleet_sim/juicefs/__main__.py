@@ -1,17 +1,22 @@
-"""``python -m fleet_sim.juicefs relay ...``: a host's relay process (see ``relay.py``)."""
+"""``python -m fleet_sim.juicefs relay|warden ...``: the substrate's helper processes (a host's
+relay, see ``relay.py``; the warden, see ``warden.py``)."""
 
 from __future__ import annotations
 
 import sys
 
-from fleet_sim.juicefs import relay
+from fleet_sim.juicefs import relay, warden
+
+USAGE = "usage: python -m fleet_sim.juicefs relay --target HOST:PORT | warden"
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] != "relay":
-        print("usage: python -m fleet_sim.juicefs relay --target HOST:PORT", file=sys.stderr)
-        return 2
-    return relay.main(argv[1:])
+    if argv[:1] == ["relay"]:
+        return relay.main(argv[1:])
+    if argv[:1] == ["warden"]:
+        return warden.main(argv[1:])
+    print(USAGE, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ no fault ever touches::
     root/mnt/<replica>/    that host's mount; a shard is a directory in it
     root/grader/           the graders' mount (backing())
     root/cache/<host>/     each client's read cache
-    root/logs/             each client's and relay's log, and the format's
+    root/logs/             each client's and relay's log, the format's and the warden's
+
+A warden process is told of every process and mount; should the simulator die without
+``close()``, it ends them (see ``warden.py``).
 
 The faults are real ones:
 
@@ -38,6 +41,7 @@ from pathlib import Path
 from fleet_sim.juicefs.mount import ClientOptions, JuiceFsMount, format_volume
 from fleet_sim.juicefs.redis import RedisConfig, RedisServer, url_for
 from fleet_sim.juicefs.relay import RelayProcess
+from fleet_sim.juicefs.warden import Warden
 
 GRADER = "grader"
 
@@ -75,6 +79,7 @@ class JuiceFs:
         self.grader: JuiceFsMount | None = None
         self.relays: dict[str, RelayProcess] = {}
         self.mounts: dict[str, JuiceFsMount] = {}
+        self.warden: Warden | None = None
         # Replicas are mounted lazily, when the fleet first asks for a shard's path; one lock
         # keeps two first asks from making two mounts of one host.
         self._lock = threading.RLock()
@@ -109,11 +114,15 @@ class JuiceFs:
         with self._lock:
             if self.redis is not None:
                 return self.redis
+            if self.warden is None:
+                self.warden = Warden(self._log("warden"))
+                self.warden.start()
             redis = RedisServer(
                 RedisConfig(self.root / "redis", start_budget_s=self.config.redis_start_budget_s)
             )
             redis.start()  # stops what it started if it fails
             try:
+                self.warden.watch(pid=redis.pid)
                 format_volume(
                     redis.url,
                     self.root / "bucket",
@@ -142,6 +151,7 @@ class JuiceFs:
                 )
                 relay.start()  # stops what it started if it fails
                 self.relays[replica] = relay
+                self._watch(relay.pid)
             self.mounts[replica] = self._start_mount(
                 replica, url_for(relay.port), self.root / "mnt" / replica
             )
@@ -154,8 +164,15 @@ class JuiceFs:
             self._log(f"mount-{host}"),
             self.config.client,
         )
+        if self.warden is not None:
+            self.warden.watch(mount=mountpoint)
         mount.start()  # stops what it started if it fails
+        self._watch(mount.supervisor_pid)  # the warden finds the worker as its child
         return mount
+
+    def _watch(self, pid: int | None) -> None:
+        if self.warden is not None:
+            self.warden.watch(pid=pid)
 
     # -- processes and faults --------------------------------------------------------------
 
@@ -164,8 +181,10 @@ class JuiceFs:
         return [] if mount is None else mount.pids()
 
     def pids(self) -> list[int]:
-        """Every process the substrate runs now: Redis, each relay, each client's two."""
-        found = [] if self.redis is None or self.redis.pid is None else [self.redis.pid]
+        """Every process the substrate runs now: the warden, Redis, each relay, each client's
+        two."""
+        found = [] if self.warden is None or self.warden.pid is None else [self.warden.pid]
+        found += [] if self.redis is None or self.redis.pid is None else [self.redis.pid]
         found += [r.pid for r in self.relays.values() if r.pid is not None]
         for mount in [*self.mounts.values(), *([self.grader] if self.grader else [])]:
             found += mount.pids()
@@ -192,7 +211,9 @@ class JuiceFs:
 
     def restart_metadata(self) -> None:
         """Redis is killed outright and started again from its AOF, on the same port."""
-        self.volume().restart()
+        redis = self.volume()
+        redis.restart()
+        self._watch(redis.pid)
 
     # -- tear-down -------------------------------------------------------------------------
 
@@ -214,10 +235,13 @@ class JuiceFs:
                 _quietly(relay.stop)
             if self.redis is not None:
                 _quietly(self.redis.stop)
+            if self.warden is not None:
+                _quietly(self.warden.release)  # all is ended: nothing left for it to do
             self.mounts.clear()
             self.relays.clear()
             self.grader = None
             self.redis = None
+            self.warden = None
 
 
 def _quietly(stop: Callable[[], None]) -> None:
