@@ -1,15 +1,22 @@
-"""The deployment files that name metrics: the alert rules and the Grafana dashboard.
+"""The deployment files that name metrics (the alert rules and the Grafana dashboard), and the
+JuiceFS mount script and units.
 
 Every expression is checked against what the code exposes, collected from real edge and replica
 registries (every labelled child exists from the start, so the samples name every metric and
 every label value). A renamed metric, a mistyped label value or a label the code never sets fails
 here instead of becoming an alert that can never fire or a panel that stays empty.
+
+The JuiceFS mount script must give a replica host the flags the simulator gives every simulated
+host (``fleet_sim.juicefs.mount.mount_argv``), so what the simulator measured is what a real
+host runs; the two are compared here, and the script's refusals are exercised.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,12 +25,18 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 
 from edge.metrics import EdgeMetrics
+from fleet_sim.juicefs.mount import ClientOptions, mount_argv
 from replica.metrics import ReplicaMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 ALERT_TESTS = ROOT / "deploy" / "prometheus" / "alerts.test.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "fleet-dashboard.json"
+JUICEFS = ROOT / "deploy" / "juicefs"
+MOUNT_SCRIPT = JUICEFS / "mount.sh"
+MOUNT_UNIT = JUICEFS / "beyond-fleet-juicefs.service"
+REPLICA_DROP_IN = JUICEFS / "beyond-fleet-replica.service.d" / "juicefs.conf"
+ENV_EXAMPLE = JUICEFS / "juicefs.env.example"
 
 # Labels the scraper adds; nothing else may appear in a grouping or a matcher unless the code
 # sets it.
@@ -278,3 +291,144 @@ def test_dashboard_shows_every_metric_the_code_defines(exposed: Exposed) -> None
         name for name in base_names(exposed) if not re.search(rf"\b{name}(_bucket)?\b", shown)
     )
     assert missing == []
+
+
+def run_mount_script(
+    tmp_path: Path,
+    settings: str,
+    *args: str,
+    env_file: Path | None = None,
+    environment: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``mount.sh ARGS`` with only these settings: a clean environment and its own env file."""
+    if env_file is None:
+        env_file = tmp_path / "juicefs.env"
+        env_file.write_text(settings)
+        env_file.chmod(0o600)
+    env = {"PATH": os.environ["PATH"], "JFS_ENV_FILE": str(env_file), **(environment or {})}
+    return subprocess.run(
+        ["bash", str(MOUNT_SCRIPT), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+SIMULATOR_LIKE = """\
+JFS_META_URL=redis://127.0.0.1:6379/1
+JFS_MOUNTPOINT=/mnt/jfs
+JFS_CACHE_DIR=/var/cache/jfs
+JFS_CACHE_SIZE=256
+JFS_HEARTBEAT=2s
+JFS_METRICS=127.0.0.1:0
+JFS_BIN=/opt/juicefs/bin/juicefs
+"""
+MINIMAL = "JFS_META_URL=redis://meta:6379/1\nJFS_BIN=/x/juicefs\n"
+
+
+def test_the_mount_script_gives_a_host_the_simulators_flags(tmp_path: Path) -> None:
+    done = run_mount_script(tmp_path, SIMULATOR_LIKE, "argv")
+    assert done.returncode == 0, done.stderr
+    expected = mount_argv(
+        Path("/opt/juicefs/bin/juicefs"),
+        "redis://127.0.0.1:6379/1",
+        Path("/mnt/jfs"),
+        Path("/var/cache/jfs"),
+        ClientOptions(heartbeat_s=2.0, cache_size_mib=256),
+    )
+    assert done.stdout.splitlines() == expected
+
+
+def test_the_mount_scripts_defaults_keep_the_design_flags(tmp_path: Path) -> None:
+    done = run_mount_script(tmp_path, MINIMAL, "argv")
+    assert done.returncode == 0, done.stderr
+    argv = done.stdout.splitlines()
+
+    def value(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    for cache in ("attr", "entry", "dir-entry", "negative-entry", "open"):
+        assert value(f"--{cache}-cache") == "0", cache
+    assert value("--heartbeat") == "2s"
+    assert value("--metrics").startswith("127.0.0.1:")
+    assert value("--backup-meta") == "0"
+    assert {"--no-usage-report", "--no-agent", "--hide-internal"} <= set(argv)
+    assert not [a for a in argv if a.startswith("--writeback") or a in ("-d", "--background")]
+    assert argv[-2:] == ["redis://meta:6379/1", "/mnt/jfs"]
+
+
+def test_the_sample_env_file_is_one_the_script_accepts(tmp_path: Path) -> None:
+    done = run_mount_script(tmp_path, "", "argv", env_file=ENV_EXAMPLE)
+    assert done.returncode == 0, done.stderr
+    argv = done.stdout.splitlines()
+    assert argv[-2:] == ["redis://jfs-meta.internal:6379/1", "/mnt/jfs"]
+    assert argv[argv.index("--heartbeat") + 1] == "2s"
+
+
+def test_the_environment_wins_over_the_env_file_and_its_last_line_over_earlier_ones(
+    tmp_path: Path,
+) -> None:
+    settings = f"{MINIMAL}JFS_HEARTBEAT=4s\nJFS_HEARTBEAT=5s\nJFS_MOUNTPOINT=/mnt/a\n"
+    done = run_mount_script(tmp_path, settings, "argv", environment={"JFS_MOUNTPOINT": "/mnt/b"})
+    assert done.returncode == 0, done.stderr
+    argv = done.stdout.splitlines()
+    assert argv[argv.index("--heartbeat") + 1] == "5s"
+    assert argv[-1] == "/mnt/b"
+
+
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ("JFS_META_URL=redis://:hunter2@meta:6379/1", "carries a password"),
+        ("JFS_META_URL=postgres://jfs:hunter2@pg:5432/jfs", "carries a password"),
+        ("JFS_EXTRA_ARGS=--writeback", "fsync must mean"),
+        ("JFS_EXTRA_ARGS=--max-uploads 40 --upload-delay=10s", "fsync must mean"),
+        ("JFS_EXTRA_ARGS=--no-bgjob", "frees a lost host's locks"),
+        ("JFS_EXTRA_ARGS=-d", "foreground"),
+        ("JFS_EXTRA_ARGS=--attr-cache=1", "set by this script"),
+        ("JFS_METRICS=0.0.0.0:9567", "loopback"),
+        ("JFS_HEARTBEAT=20s", "retry budget"),
+        ("JFS_HEARTBEAT=0", "at least 1s"),
+        ("JFS_HEARTBEAT=500ms", "at least 1s"),
+        ("meta_password=hunter2", "upper-case KEY"),
+        ("JFS_HEARTBEET=2s", "unknown setting JFS_HEARTBEET"),
+    ],
+)
+def test_the_mount_script_refuses_what_the_design_rules_out(
+    tmp_path: Path, setting: str, says: str
+) -> None:
+    done = run_mount_script(tmp_path, f"{MINIMAL}{setting}\n", "argv")
+    assert done.returncode == 2, (setting, done.stdout)
+    assert says in done.stderr, done.stderr
+    assert "hunter2" not in done.stderr
+
+
+def unit_settings(path: Path) -> dict[str, list[str]]:
+    """Key -> every value it is given (systemd allows a key more than once)."""
+    found: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith(("#", "[")):
+            key, _, value = line.partition("=")
+            found.setdefault(key.strip(), []).append(value.strip())
+    return found
+
+
+def test_the_mount_unit_runs_the_script_as_the_design_needs() -> None:
+    unit = unit_settings(MOUNT_UNIT)
+    assert unit["Type"] == ["simple"]
+    assert unit["ExecStart"] == ["/usr/local/sbin/beyond-fleet-juicefs mount"]
+    assert unit["ExecStartPost"] == ["/usr/local/sbin/beyond-fleet-juicefs wait"]
+    assert unit["ExecStop"] == ["/usr/local/sbin/beyond-fleet-juicefs umount"]
+    assert unit["EnvironmentFile"] == ["/etc/beyond-fleet/juicefs.env"]
+    assert unit["KillMode"] == ["mixed"]
+    assert unit["Restart"] == ["on-failure"]
+    assert "network-online.target" in unit["After"] and "network-online.target" in unit["Wants"]
+    assert unit["Before"] == ["beyond-fleet-replica.service"]
+    # Any of these would hide the mount from the replica in a mount namespace of its own.
+    for key in ("PrivateTmp", "PrivateMounts", "ProtectSystem", "ProtectHome", "MountFlags"):
+        assert key not in unit, key
+    drop_in = unit_settings(REPLICA_DROP_IN)
+    assert drop_in["Requires"] == ["beyond-fleet-juicefs.service"]
+    assert drop_in["After"] == ["beyond-fleet-juicefs.service"]
