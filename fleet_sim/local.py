@@ -75,6 +75,10 @@ class Proc:
             text=True,
             cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # A group of its own: Ctrl-C in a terminal reaches the process that started the
+            # fleet, which drains in order, and not every process at once (a replica that got
+            # the terminal's SIGINT and then the drain's SIGTERM would skip its drain grace).
+            process_group=0,
         )
         return self
 

@@ -116,6 +116,7 @@ class Supervisor:
         self.extra_state = extra_state or dict
         self._lock = threading.RLock()
         self._gave_up: str | None = None
+        self._closed = False
         now = clock()
         self.children = {
             name: Child(name, kind, proc, History(now))
@@ -163,6 +164,8 @@ class Supervisor:
         self._say(f"{what}; starting it again in {decision.delay_s:g} s")
 
     def _launch(self, child: Child) -> None:
+        if self._closed:
+            return
         child.state = ChildState.STARTING
         child.history.started_at = self.clock()
         threading.Thread(target=self._start, args=(child,), daemon=True).start()
@@ -177,6 +180,9 @@ class Supervisor:
         with self._lock:
             child.proc, child.state = proc, ChildState.UP
             child.restarts += 1
+            if self._closed:  # the fleet began to stop while this one started: it goes too
+                proc.stop()
+                return
             self.write_state()
         self._say(f"{child.name} ({child.kind}) is up again (pid {proc.proc.pid})")
 
@@ -329,8 +335,10 @@ class Supervisor:
             ]
 
     def release(self) -> None:
-        """Undo the faults in force (before the fleet stops, so nothing waits on them)."""
+        """Start nothing more, and undo the faults in force (before the fleet stops, so
+        nothing waits on them)."""
         with self._lock:
+            self._closed = True
             substrate = self.local.substrate
             for child in self.children.values():
                 if substrate is not None and child.kind == "replica":
