@@ -5,9 +5,13 @@ and the tool's result) and an assistant reply of about 600 characters, built fro
 sentences so compression is neither flattered by repetition nor defeated by random bytes.
 
     python -m bench.store_bench [--turns 200] [--replays 30] [--dir PATH] [--json FILE]
+    python -m bench.store_bench --substrate local-dir --substrate leasefs --substrate juicefs
 
-``--dir`` picks the filesystem measured (default: a temporary directory); run it on an NFS or
-leasefs mount to see what fsync costs there.
+``--dir`` picks the filesystem measured (default: a temporary directory); run it on an NFS
+mount to see what fsync costs there. ``--substrate`` (repeatable) measures the simulator's
+storage substrates one after the other in the same run, each through a replica host's own mount
+(leasefs: the NFSv4-like FUSE mount; juicefs: JuiceFS on a Redis this run starts), and prints
+them side by side.
 """
 
 from __future__ import annotations
@@ -122,13 +126,52 @@ def run(turns: int, replays: int, directory: Path) -> dict[str, float]:
     }
 
 
+SUBSTRATES = ("local-dir", "leasefs", "juicefs")
+
+
+def on_substrate(name: str, turns: int, replays: int) -> dict[str, float]:
+    """The figures through one replica host's mount of a fresh ``name`` substrate."""
+    from fleet_sim.sim.scenario import make_substrate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        substrate = make_substrate(name, Path(tmp))
+        try:
+            substrate.prepare(["bench"], ["a07-s1"])
+            return run(turns, replays, substrate.shard_path("bench", "a07-s1"))
+        finally:
+            substrate.close()
+
+
+def side_by_side(figures: dict[str, dict[str, float]]) -> str:
+    names = list(figures)
+    lines = [f"{'':32}" + "".join(f"{n:>14}" for n in names)]
+    for key in figures[names[0]]:
+        cells = "".join(f"{figures[n][key]:14.3f}" for n in names)
+        lines.append(f"{key:32}{cells}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--dir", type=Path, help="directory to measure (default: a temp dir)")
+    parser.add_argument(
+        "--substrate",
+        action="append",
+        choices=SUBSTRATES,
+        help="measure this simulator substrate (repeatable; side by side in one run)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
+    if args.substrate:
+        if args.dir is not None:
+            parser.error("--dir and --substrate measure different things: give one")
+        each = {n: on_substrate(n, args.turns, args.replays) for n in dict.fromkeys(args.substrate)}
+        print(side_by_side(each))
+        if args.json:
+            args.json.write_text(json.dumps({"substrates": each}, indent=2) + "\n")
+        return 0
     if args.dir is not None:
         figures = run(args.turns, args.replays, args.dir.resolve())
     else:
