@@ -52,7 +52,17 @@ class Substrate(Protocol):
     def close(self) -> None: ...
 
 
-class LocalDir:
+class NoHostClient:
+    """Storage with no file-system client of its own on the replica's host to name or stop."""
+
+    def mount_dir(self, replica: str) -> Path | None:
+        return None
+
+    def fs_pids(self, replica: str) -> list[int]:
+        return []
+
+
+class LocalDir(NoHostClient):
     name = "local-dir"
 
     def __init__(self, root: Path) -> None:
@@ -67,12 +77,6 @@ class LocalDir:
     def prepare(self, replicas: list[str], shards: list[str]) -> None:
         for shard in shards:
             (self.root / shard).mkdir(parents=True, exist_ok=True)
-
-    def mount_dir(self, replica: str) -> Path | None:
-        return None
-
-    def fs_pids(self, replica: str) -> list[int]:
-        return []
 
     def freeze(self, replica: str) -> None:
         """Nothing but the replica process stops: its descriptors, and so its locks, stay."""
@@ -183,7 +187,7 @@ def run_fault_command(command: str, verb: str, replica: str, timeout_s: float = 
         raise RuntimeError(f"{command} {verb} {replica} exited {done.returncode}: {last}")
 
 
-class Attached:
+class Attached(NoHostClient):
     """An external fleet's storage: faults go to ``fault_cmd`` (e.g.
     deploy/attached-local/fault.sh) and shards are read where its state file says the export
     is, so a grader never waits on a partitioned replica's mount."""
@@ -205,12 +209,6 @@ class Attached:
         missing = [s for s in shards if s not in self.paths]
         if missing:
             raise NotApplicable(f"the attached fleet has no shard {', '.join(missing)}")
-
-    def mount_dir(self, replica: str) -> Path | None:
-        return None
-
-    def fs_pids(self, replica: str) -> list[int]:
-        return []
 
     def freeze(self, replica: str) -> None:
         """The fault command's pause stops the whole host (its container or VM)."""
