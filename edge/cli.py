@@ -13,11 +13,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from edge.config import MAX_VNODES, load_config, parse_replica_name
+from edge.config import MAX_VNODES, load_config, parse_replica_name_at
 from edge.errors import EdgeError
 from edge.metrics import parse_listen, require_loopback
 from edge.ring import DEFAULT_VNODES, Ring
-from replica.names import MAX_REPLICA_NAME
+from wire.names import MAX_REPLICA_NAME
 
 MAX_RING_IDS = 100_000
 MAX_ID_LENGTH = 1024
@@ -102,7 +102,7 @@ def _fits_one_field(text: str) -> bool:
 
 
 def _ring(args: argparse.Namespace) -> int:
-    names: list[str] = [parse_replica_name(n, "--replica") for n in args.replica]
+    names: list[str] = [parse_replica_name_at(n, "--replica") for n in args.replica]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise _UsageError(f"--replica {dupes[0]!r} is given more than once")

@@ -36,20 +36,21 @@ from urllib.parse import urlsplit
 from edge.errors import ConfigError, MalformedSessionId, UnknownSlice
 from edge.retry import CALLBACK_BUDGET_S, DEFAULT_BUDGET_S, RetryPolicy
 from edge.ring import DEFAULT_VNODES, Ring
-from replica.errors import InvalidName
-from replica.names import SessionId, parse_session_id, parse_slice
-from replica.names import parse_replica_name as _replica_name_rule
+from wire.errors import InvalidName
+from wire.names import SessionId, parse_replica_name, parse_session_id, parse_slice
 
 MAX_VNODES = 4096
 
 
-def parse_replica_name(value: object, where: str) -> str:
-    """A replica's ring name, unchanged: printable ASCII without whitespace, 1-255 bytes.
+def parse_replica_name_at(value: object, where: str) -> str:
+    """A replica's ring name, unchanged: printable ASCII without whitespace, 1-255 bytes;
+    a :class:`ConfigError` naming ``where`` otherwise.
 
     The ring hashes the name's exact bytes, so ``10.0.4.17:9000`` is as good a name as ``r1``;
-    the rule is shared with the replica's ``--name`` (``replica.names.parse_replica_name``)."""
+    the rule is the contract's, shared with the replica's ``--name``
+    (``wire.names.parse_replica_name``)."""
     try:
-        return _replica_name_rule(value)
+        return parse_replica_name(value)
     except InvalidName as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
@@ -251,7 +252,7 @@ def _parse_replica(entry: object, where: str) -> ReplicaConfig:
     for key in ("name", "url"):
         if key not in entry:
             raise ConfigError(f"{where} is missing {key!r}")
-    name = parse_replica_name(entry["name"], f"{where}.name")
+    name = parse_replica_name_at(entry["name"], f"{where}.name")
     return ReplicaConfig(name, parse_replica_url(entry["url"], f"{where}.url"))
 
 

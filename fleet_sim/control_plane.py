@@ -36,9 +36,10 @@ from edge.ring import ring_hash
 from fleet_sim.keys import KeySet, derive_tenant_dek, load_keyset, mint_grant
 from fleet_sim.sandbox import sandbox_exec
 from fleet_sim.serving import listen_arg, serve_until_signalled
-from replica.errors import InvalidName, ReplicaError
+from replica.errors import ReplicaError
 from replica.keyfiles import read_key_file
-from replica.names import parse_session_id, parse_slice, parse_tenant
+from wire.errors import InvalidName
+from wire.names import parse_session_id, parse_slice, parse_tenant
 
 log = logging.getLogger("fleet_sim.control_plane")
 

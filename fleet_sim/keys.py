@@ -69,8 +69,8 @@ from replica.keyfiles import (
     read_key_file,
     write_key_file,
 )
-from replica.names import parse_session_id, parse_tenant
 from replica.secretbox import seal
+from wire.names import parse_session_id, parse_tenant
 
 SIGNING_KEY_FILE: Final = "grant-signing.key"
 GRANT_KEYS_FILE: Final = "grant-keys.txt"

@@ -22,7 +22,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fuzz.common import instrument
 
-    instrument("replica.grants", "replica.keyfiles", "replica.secretbox", "replica.names", "jwt")
+    instrument("replica.grants", "replica.keyfiles", "replica.secretbox", "wire.names", "jwt")
 
 import json
 

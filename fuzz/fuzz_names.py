@@ -1,7 +1,7 @@
-"""Fuzz the one strict parser of tenants, shards and session ids (``replica/names.py``).
+"""Fuzz the one strict parser of tenants, shards and session ids (``wire/names.py``).
 
 Input: text (UTF-8; invalid bytes become lone surrogates, as ``surrogateescape`` makes them). The
-parsers document :class:`~replica.errors.InvalidName` only. What they accept must round-trip to
+parsers document :class:`~wire.errors.InvalidName` only. What they accept must round-trip to
 the same text, be ASCII, and put ``session_dir`` exactly three levels under the shard root. A
 ``|`` splits the input into a tenant and a session id for ``session_dir``.
 """
@@ -15,20 +15,15 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fuzz.common import instrument
 
-    instrument("replica.names")
+    instrument("wire.names", "replica.layout")
 
 import contextlib
 
 from fuzz.common import Harness, main
 from fuzz.known import Mismatch
-from replica.errors import InvalidName
-from replica.names import (
-    parse_session_id,
-    parse_shard,
-    parse_slice,
-    parse_tenant,
-    session_dir,
-)
+from replica.layout import session_dir
+from wire.errors import InvalidName
+from wire.names import parse_session_id, parse_shard, parse_slice, parse_tenant
 
 ROOT = Path("/srv/shards/a07-s1")
 

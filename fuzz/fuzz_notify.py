@@ -15,7 +15,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fuzz.common import instrument
 
-    instrument("replica.notify", "replica.keyfiles", "replica.names")
+    instrument("replica.notify", "replica.keyfiles", "wire.names")
 
 import hashlib
 import hmac
@@ -23,8 +23,8 @@ import hmac
 from fuzz.common import Harness, main
 from fuzz.known import Mismatch
 from replica.keyfiles import b64url_encode
-from replica.names import parse_session_id, parse_tenant
 from replica.notify import PREFIX, NotifyKey, NotifyTokenError
+from wire.names import parse_session_id, parse_tenant
 
 KEY = NotifyKey(bytes(range(32)))
 

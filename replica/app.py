@@ -36,7 +36,6 @@ from replica.errors import (
     CorruptHistory,
     Forbidden,
     GrantError,
-    InvalidName,
     LockHeld,
     LockLost,
     Misdirected,
@@ -46,9 +45,10 @@ from replica.errors import (
 )
 from replica.grants import Grant, GrantVerifier, verify_grant
 from replica.live import LiveSession, Outgoing
-from replica.names import parse_session_id, parse_tenant
 from replica.probes import Readiness
 from replica.transcript import UnknownMessage
+from wire.errors import InvalidName, WireError
+from wire.names import parse_session_id, parse_tenant
 
 log = logging.getLogger("replica.app")
 
@@ -73,8 +73,9 @@ class Refusal(Exception):
         return PlainTextResponse(self.reason + "\n", self.status, headers=headers)
 
 
-def refusal_for(exc: ReplicaError, session_id: str | None = None) -> Refusal:
-    """The one mapping from the replica's errors to HTTP statuses."""
+def refusal_for(exc: ReplicaError | WireError, session_id: str | None = None) -> Refusal:
+    """The one mapping from the replica's errors (and the contract's, a bad name) to HTTP
+    statuses."""
     if isinstance(exc, GrantError):
         return Refusal(401, f"grant refused: {exc}", "auth", session_id)
     if isinstance(exc, BadRequest | InvalidName):
@@ -163,14 +164,14 @@ class ReplicaApp:
             parse_session_id(sid)
             parse_tenant(grant.tenant)
             self.registry.store_for(grant.session.shard)
-        except ReplicaError as exc:
+        except (ReplicaError, WireError) as exc:
             raise refusal_for(exc, sid) from None
         return grant
 
     async def place(self, grant: Grant) -> LiveSession:
         try:
             return await self.registry.place(grant)
-        except ReplicaError as exc:
+        except (ReplicaError, WireError) as exc:
             raise refusal_for(exc, str(grant.session)) from None
 
     def refused(self, refusal: Refusal) -> Response:

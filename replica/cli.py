@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from replica.agent import DEFAULT_BUDGET, TurnBudget
-from replica.errors import ConfigError, CorruptHistory, InvalidName, StorageUnavailable
+from replica.errors import ConfigError, CorruptHistory, StorageUnavailable
 from replica.history import History, read_history
 from replica.keyfiles import read_key_file
-from replica.names import parse_session_id, parse_tenant
 from replica.sealing import RecordSealer
+from wire.errors import InvalidName
+from wire.names import parse_session_id, parse_tenant
 
 
 class _Parser(argparse.ArgumentParser):

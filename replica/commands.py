@@ -17,11 +17,11 @@ from replica.errors import ReplicaError, StoreError
 from replica.listing import list_sessions
 from replica.live import LiveSession
 from replica.metrics import ReplicaMetrics
-from replica.names import SessionId
 from replica.protocol import Command
 from replica.registry import Registry
 from replica.store import Committed
 from replica.transcript import UnknownMessage, new_id
+from wire.names import SessionId
 
 log = logging.getLogger("replica.commands")
 

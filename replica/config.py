@@ -16,11 +16,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from replica.agent import TurnBudget
-from replica.errors import ConfigError, InvalidName
+from replica.errors import ConfigError
 from replica.keyfiles import parse_grant_key_arg, read_key_file, read_seal_key
 from replica.metrics import require_loopback
 from replica.model import ModelSpec, parse_model_spec
-from replica.names import Shard, parse_replica_name, parse_shard
+from wire.errors import InvalidName
+from wire.names import Shard, parse_replica_name, parse_shard
 
 SERVICE_IDLE_TIMEOUT_S = 60.0
 DAEMON_IDLE_TIMEOUT_S = 3600.0

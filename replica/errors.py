@@ -1,11 +1,11 @@
 """The replica's error tree.
 
-Every error the replica raises on purpose derives from :class:`ReplicaError`, so a caller that
-wants "anything the replica refused" catches one class, and the service maps each leaf to exactly
-one HTTP status::
+Every error the replica raises on purpose derives from :class:`ReplicaError`, and the service
+maps each leaf to exactly one HTTP status. A name that breaks the contract's grammar is the
+contract's own error, :class:`wire.errors.InvalidName` (400), so a caller that wants "anything a
+request can be refused for" catches ``(ReplicaError, WireError)``::
 
     ReplicaError
-    ├── InvalidName            a tenant, shard or session id that is not safe to use   -> 400
     ├── BadRequest             a malformed command, body or query                      -> 400
     ├── Forbidden              the grant verified but does not cover this request      -> 403
     ├── Misdirected            this replica does not mount the session's shard          -> 421
@@ -36,10 +36,6 @@ from __future__ import annotations
 
 class ReplicaError(Exception):
     """Base of every deliberate replica error."""
-
-
-class InvalidName(ReplicaError):
-    """A tenant, shard or session id failed the strict parser."""
 
 
 class BadRequest(ReplicaError):

@@ -10,9 +10,9 @@ Header: ``{"alg": "EdDSA", "kid": ..., "typ": "JWT"?}``; no other parameter is a
 
     exp, iat      NumericDate integers; exp - iat at most ``max_lifetime_s``; nbf optional
     aud, iss      exactly the verifier's audience and issuer (strings, not lists)
-    ten           tenant             (replica.names.parse_tenant)
-    sid           session id         (replica.names.parse_session_id)
-    shard         home shard         (replica.names.parse_shard; equal to the id's shard)
+    ten           tenant             (wire.names.parse_tenant)
+    sid           session id         (wire.names.parse_session_id)
+    shard         home shard         (wire.names.parse_shard; equal to the id's shard)
     ws            workspace root     (absolute POSIX path, no control characters)
     exec          exec endpoint URL  (http or https, no credentials or fragment)
     sec           base64url of the sealed box
@@ -70,11 +70,11 @@ from replica.errors import (
     GrantMalformed,
     GrantSealError,
     GrantUnknownKid,
-    InvalidName,
 )
 from replica.keyfiles import b64url_decode, b64url_encode
-from replica.names import SessionId, Shard, parse_session_id, parse_shard, parse_tenant
 from replica.secretbox import open_sealed
+from wire.errors import InvalidName
+from wire.names import SessionId, Shard, parse_session_id, parse_shard, parse_tenant
 
 HEADER_NAME: Final = "x-beyond-grant"
 ALGORITHM: Final = "EdDSA"

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replica.errors import InvalidName, StoreError
+from replica.errors import StoreError
 from replica.history import read_history
-from replica.names import parse_session_id, tenant_dir
+from replica.layout import tenant_dir
 from replica.sealing import RecordSealer
+from wire.errors import InvalidName
+from wire.names import parse_session_id
 
 PREVIEW_CHARS = 120
 

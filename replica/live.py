@@ -18,9 +18,9 @@ from typing import Any
 
 from replica import protocol
 from replica.errors import LockLost
-from replica.names import SessionId
 from replica.store import Committed, OwnedSession, Superseded
 from replica.transcript import Message
+from wire.names import SessionId
 
 REPLAY_CAP_BYTES = 4 * 1024 * 1024
 SUBSCRIBER_QUEUE_FRAMES = 2048

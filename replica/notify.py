@@ -18,9 +18,10 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
-from replica.errors import InvalidName, ReplicaError
+from replica.errors import ReplicaError
 from replica.keyfiles import b64url_decode, b64url_encode
-from replica.names import parse_session_id, parse_tenant
+from wire.errors import InvalidName
+from wire.names import parse_session_id, parse_tenant
 
 PREFIX = "bjn_v1."
 MAX_TOKEN_CHARS = 1024

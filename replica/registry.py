@@ -20,8 +20,8 @@ from replica.errors import Forbidden, Misdirected, Unavailable
 from replica.grants import Grant
 from replica.live import SUBSCRIBER_QUEUE_FRAMES, LiveSession, LiveState, SessionContext
 from replica.metrics import ReplicaMetrics
-from replica.names import Shard
 from replica.store import SessionStore
+from wire.names import Shard
 
 log = logging.getLogger("replica.registry")
 PARK_AFTER_S = 2.0  # idle this long, a session gives back its segment descriptor

@@ -41,13 +41,13 @@ from replica.lifecycle import Lifecycle, LifecycleConfig
 from replica.live import LiveSession
 from replica.metrics import ReplicaMetrics
 from replica.model import make_provider
-from replica.names import parse_shard
 from replica.notify import NotifyKey
 from replica.probes import Readiness, ShardProbe
 from replica.registry import Registry
 from replica.sandbox_client import SandboxClient, new_http_client
 from replica.store import SessionStore, StoreConfig
 from replica.tools import NotifyTarget
+from wire.names import parse_shard
 
 log = logging.getLogger("replica.service")
 RECHECK_S = 2.0  # how often requests to a session with running jobs may re-read them

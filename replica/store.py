@@ -22,8 +22,8 @@ from pathlib import Path
 
 from replica.errors import CorruptHistory, LockLost, StorageUnavailable
 from replica.history import History, read_history
+from replica.layout import session_dir
 from replica.locking import HeldLock, Locker, OfdLocker
-from replica.names import SessionId, session_dir
 from replica.sealing import RecordSealer
 from replica.segments import (
     KIND_BATCH,
@@ -37,6 +37,7 @@ from replica.segments import (
     segment_name,
 )
 from replica.transcript import Message, Transcript
+from wire.names import SessionId
 
 LOCK_FILE = "lock"
 _CREATE_ATTEMPTS = 8

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from replica.locking import NoLocking, OfdLocker
-from replica.names import parse_session_id
 from replica.segments import encode_record
 from replica.store import Committed, OwnedSession, SessionStore, StoreConfig
 from replica.transcript import Message
+from wire.names import parse_session_id
 
 
 def _turn(tag: str) -> list[Message]:

@@ -32,10 +32,10 @@ from replica.model_types import (
     ToolCallEvent,
     ToolSpec,
 )
-from replica.names import parse_session_id
 from replica.store import SessionStore
 from replica.tools import NotifyTarget
 from replica.transcript import Message
+from wire.names import parse_session_id
 
 pytestmark = pytest.mark.anyio
 T = TypeVar("T")

@@ -8,7 +8,7 @@ import pytest
 from fleet_sim.control_plane import ControlPlaneConfig, parse_slice_arg, start_control_plane
 from fleet_sim.keys import generate_keyset
 from replica.grants import GrantVerifier, verify_grant
-from replica.names import parse_session_id
+from wire.names import parse_session_id
 
 SECRET = bytes(range(32))
 

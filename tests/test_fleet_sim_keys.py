@@ -19,7 +19,7 @@ from fleet_sim.keys import (
     mint_grant,
     new_tenant_dek,
 )
-from replica.errors import ConfigError, GrantBadClaims, GrantMalformed, InvalidName
+from replica.errors import ConfigError, GrantBadClaims, GrantMalformed
 from replica.grants import GrantVerifier, verify_grant
 from replica.keyfiles import (
     b64url_encode,
@@ -28,6 +28,7 @@ from replica.keyfiles import (
     read_seal_key,
     write_key_file,
 )
+from wire.errors import InvalidName
 
 FLEET_SIM = Path(sys.executable).parent / "fleet-sim"
 NOW = 1_800_000_000

@@ -23,8 +23,8 @@ from replica.errors import (
 )
 from replica.grants import Grant, GrantVerifier, secrets_context, verify_grant
 from replica.keyfiles import b64url_encode
-from replica.names import parse_session_id, parse_shard
 from replica.secretbox import seal
+from wire.names import parse_session_id, parse_shard
 
 SIGNER = Ed25519PrivateKey.generate()
 FLEET = X25519PrivateKey.generate()

@@ -13,9 +13,9 @@ import pytest
 from replica.errors import Unavailable
 from replica.jobs import Reconciler
 from replica.live import LiveSession, SessionContext
-from replica.names import parse_session_id
 from replica.store import SessionStore
 from replica.transcript import Message
+from wire.names import parse_session_id
 
 DEK = bytes(range(32))
 

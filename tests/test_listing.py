@@ -4,10 +4,10 @@ import os
 from pathlib import Path
 
 from replica.listing import PREVIEW_CHARS, candidates, describe, list_sessions
-from replica.names import parse_session_id
 from replica.segments import segment_name
 from replica.store import SessionStore
 from replica.transcript import Message
+from wire.names import parse_session_id
 
 DEK = bytes(range(32))
 OTHER_DEK = bytes(range(1, 33))

@@ -20,9 +20,9 @@ from replica.live import (
     TurnBuffer,
 )
 from replica.locking import NoLocking
-from replica.names import parse_session_id
 from replica.store import SessionStore
 from replica.transcript import Message, UnknownMessage
+from wire.names import parse_session_id
 
 pytestmark = pytest.mark.anyio
 T = TypeVar("T")

@@ -6,15 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from replica.errors import InvalidName
-from replica.names import (
+from replica.layout import session_dir
+from wire.errors import InvalidName
+from wire.names import (
     MAX_REPLICA_NAME,
     MAX_SESSION_ID,
     parse_replica_name,
     parse_session_id,
     parse_shard,
     parse_tenant,
-    session_dir,
 )
 
 ROOT = Path("/srv/shards/a07-s3")

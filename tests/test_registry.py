@@ -14,9 +14,9 @@ from replica.grants import Grant
 from replica.live import LiveSession, LiveState
 from replica.locking import lock_is_free
 from replica.metrics import ReplicaMetrics
-from replica.names import SessionId, Shard, parse_session_id, parse_shard
 from replica.registry import Registry
 from replica.store import LOCK_FILE, OwnedSession, SessionStore, StoreConfig
+from wire.names import SessionId, Shard, parse_session_id, parse_shard
 
 pytestmark = pytest.mark.anyio
 DEK = bytes(range(32))

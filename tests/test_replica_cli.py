@@ -13,10 +13,10 @@ import pytest
 
 from fleet_sim.keys import generate_keyset
 from replica.keyfiles import write_key_file
-from replica.names import parse_session_id
 from replica.segments import segment_name
 from replica.store import SessionStore
 from replica.transcript import Message
+from wire.names import parse_session_id
 
 DEK = bytes(range(32))
 SID = "a07-s3.cli1"

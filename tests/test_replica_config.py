@@ -19,7 +19,7 @@ from replica.config import (
 from replica.errors import ConfigError
 from replica.keyfiles import b64url_encode, write_key_file
 from replica.model import MockSpec, StubSpec
-from replica.names import Shard
+from wire.names import Shard
 
 
 def grant_key(kid: str) -> str:

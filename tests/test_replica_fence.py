@@ -20,7 +20,6 @@ import websockets
 
 from fleet_sim.leasefs.mount import mount_leasefs
 from replica.keyfiles import write_key_file
-from replica.names import parse_session_id
 from replica.store import SessionStore
 from tests.harness import fleet_at, post, wait_until
 from tests.test_replica_lifecycle import Receiver
@@ -32,6 +31,7 @@ from tests.test_replica_turns import (
     streamed_text,
     ws_session,
 )
+from wire.names import parse_session_id
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 LEASE_S = 1.0

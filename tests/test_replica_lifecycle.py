@@ -18,7 +18,6 @@ import pytest
 from aiohttp import web
 
 from fleet_sim.ports import free_port
-from replica.names import parse_session_id
 from replica.store import SessionStore
 from tests.harness import Fleet, Replica, fleet_at, post, wait_until
 from tests.test_replica_turns import (
@@ -31,6 +30,7 @@ from tests.test_replica_turns import (
     turn_outcomes,
     ws_session,
 )
+from wire.names import parse_session_id
 
 pytestmark = pytest.mark.slow
 STUB = "stub:ttft=50ms,per_token=20ms,tokens=8"

@@ -238,8 +238,8 @@ def test_drain_keeps_serving_what_it_owns(fleet: Fleet, tmp_path: Path) -> None:
     lock = tmp_path / "s1" / "acme" / "sessions" / owned / "lock"
     assert lock_is_free(lock)
     # The turn in flight finished inside the grace and was committed before exit.
-    from replica.names import parse_session_id
     from replica.store import SessionStore
+    from wire.names import parse_session_id
 
     history = SessionStore(tmp_path / "s1").read("acme", parse_session_id(owned), fleet.dek("acme"))
     assert [m.role for m in history.transcript.messages] == ["user", "assistant"]

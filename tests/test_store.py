@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from replica.errors import CorruptHistory, LockHeld, StorageUnavailable
 from replica.history import read_history
 from replica.locking import NoLocking, lock_is_free
-from replica.names import parse_session_id
 from replica.sealing import RecordSealer
 from replica.segments import encode_record, segment_name
 from replica.store import LOCK_FILE, Committed, SessionStore, StoreConfig, Superseded
 from replica.transcript import Message
+from wire.names import parse_session_id
 
 DEK = bytes(range(32))
 SID = parse_session_id("a07-s3.sess1")

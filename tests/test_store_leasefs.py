@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from fleet_sim.leasefs.mount import mount_leasefs
-from replica.names import parse_session_id
 from replica.store import SessionStore
 from tests.harness import fleet_at, post, wait_until
 from tests.test_store_processes import DEK, Owner
+from wire.names import parse_session_id
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 LEASE_S = 1.0

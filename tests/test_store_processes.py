@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from replica.names import parse_session_id
 from replica.store import SessionStore
+from wire.names import parse_session_id
 
 DEK = bytes(range(32))
 REPO = Path(__file__).resolve().parents[1]

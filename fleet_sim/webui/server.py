@@ -38,8 +38,8 @@ from fleet_sim.webui.errors import ConfigError
 from fleet_sim.webui.fleet import FleetView
 from fleet_sim.webui.guard import Allowed, refusal
 from fleet_sim.webui.store import GrantStore, Held
-from replica.errors import InvalidName
-from replica.names import parse_session_id, parse_tenant
+from wire.errors import InvalidName
+from wire.names import parse_session_id, parse_tenant
 
 log = logging.getLogger("fleet_sim.webui")
 

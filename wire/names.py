@@ -1,12 +1,14 @@
-"""Strict parsing of the names that become paths: tenants, shards and session ids.
+"""Strict parsing of the names the contract carries: tenants, slices, shards, session ids and
+replica names.
 
 A session id is ``<shard>.<opaque>``; a shard is slice-qualified, ``<slice>-<name>`` (``a07-s3``
 is shard ``s3`` of slice ``a07``). Every name is checked against an ASCII whitelist with a length
-bound *before* anything is joined onto a shard root, so nothing a client sends can name a path
-outside it: no ``/``, no ``..``, no NUL, no empty part, no look-alike non-ASCII characters.
+bound, so a parsed tenant, shard or session id is safe to join onto a path: no ``/``, no ``..``,
+no NUL, no empty part, no look-alike non-ASCII characters.
 
-This is the only parser of these names in the project; the edge imports it too, so the edge and
-the replica can never disagree about which slice an id belongs to.
+This is the only parser of these names in the project; the edge and the replica both use it, so
+they can never disagree about which slice an id belongs to. Where a session lives on a shard is
+the replica's business (``replica.layout``).
 
 Replica names are the exception to "names that become paths": the ring hashes a replica's name
 as bytes, so a deployment may name replicas by address (``10.0.4.17:9000``) and the rule is only
@@ -19,9 +21,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-from replica.errors import InvalidName
+from wire.errors import InvalidName
 
 MAX_SHARD = 64
 MAX_SLICE = 32
@@ -133,22 +134,3 @@ def parse_replica_name(value: object) -> str:
             f"replica name {text[:40]!a}... is {len(text)} bytes long; {REPLICA_NAME_RULE}"
         )
     return text
-
-
-def tenant_dir(shard_root: Path, tenant: str) -> Path:
-    """``<shard_root>/<tenant>/sessions``, for a tenant that has already been parsed."""
-    return _inside(shard_root, shard_root / parse_tenant(tenant) / "sessions")
-
-
-def session_dir(shard_root: Path, tenant: str, session: SessionId) -> Path:
-    """``<shard_root>/<tenant>/sessions/<session_id>``; the root must be absolute."""
-    if not shard_root.is_absolute():
-        raise InvalidName("shard root must be an absolute path")
-    return _inside(shard_root, tenant_dir(shard_root, tenant) / str(session))
-
-
-def _inside(root: Path, path: Path) -> Path:
-    # The parsers above already make escape impossible; this is the belt to their braces.
-    if root not in path.parents:
-        raise InvalidName("name resolves outside the shard root")
-    return path

@@ -1,0 +1,13 @@
+"""The contract the edge and the replica both speak, and nothing else.
+
+What belongs here is what both sides must read or write the same way for the fleet to work, so
+that it has one definition and neither side imports the other:
+
+- :mod:`wire.names`: the grammar of tenants, slices, shards, session ids and replica names;
+- :mod:`wire.errors`: the one error the grammar raises.
+
+What does not: policy. How the edge retries and walks, its configuration, how a replica verifies
+a grant, mints a notify token or lays sessions out on a shard stay with the side that decides
+them. Modules here are pure (no I/O, no clock, no framework) and import nothing from ``edge``,
+``replica`` or ``fleet_sim``; ``tests/test_wire_boundaries.py`` holds both sides to that.
+"""
