@@ -31,13 +31,16 @@ from typing import Final, TextIO
 from edge.classify import Kind
 from edge.metrics import Outcome
 from edge.placement import Tally
+from wire.auth import NOTIFY_TOKEN_PREFIX
+from wire.http import GRANT_HEADER
 
 access_log = logging.getLogger("edge.access")
 
 REDACTED: Final = "[redacted]"
-_TOKEN = re.compile(r"bjn_v1\.\S*")
+_TOKEN = re.compile(re.escape(NOTIFY_TOKEN_PREFIX) + r"\S*")
 _CREDENTIAL_FIELD = re.compile(
-    r"(?i)\b(authorization|proxy-authorization|x-beyond-grant|cookie|set-cookie)(\s*[:=]\s*)[^\r\n]*"
+    rf"(?i)\b(authorization|proxy-authorization|{re.escape(GRANT_HEADER)}|cookie|set-cookie)"
+    r"(\s*[:=]\s*)[^\r\n]*"
 )
 _BEARER = re.compile(r"(?i)\b(bearer)(\s+)\S+")
 # Loggers whose records may quote request bytes or headers. A logger's filters apply only to
@@ -67,7 +70,7 @@ def redact(text: str) -> str:
         return text
     text = _CREDENTIAL_FIELD.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
     text = _BEARER.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
-    return _TOKEN.sub("bjn_v1." + REDACTED, text)
+    return _TOKEN.sub(NOTIFY_TOKEN_PREFIX + REDACTED, text)
 
 
 class RedactCredentials(logging.Filter):

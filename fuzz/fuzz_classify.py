@@ -19,26 +19,19 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fuzz.common import instrument
 
-    instrument("edge.classify")
+    instrument("edge.classify", "wire.auth", "wire.target")
 
 from urllib.parse import unquote
 
 import httptools
 from starlette.datastructures import QueryParams
 
-from edge.classify import (
-    AGENT_PATH,
-    AuthClass,
-    Kind,
-    Local,
-    Refused,
-    Routed,
-    classify,
-    classify_authorization,
-)
+from edge.classify import Kind, Local, Refused, Routed, classify
 from fuzz.common import Harness, main
 from fuzz.formats import request_head
 from fuzz.known import Mismatch
+from wire.auth import AuthClass, classify_authorization
+from wire.http import AGENT_PATH
 
 _BEARER = b"bearer"
 _TOKEN = b"bjn_v1."

@@ -23,7 +23,8 @@ import hmac
 from fuzz.common import Harness, main
 from fuzz.known import Mismatch
 from replica.keyfiles import b64url_encode
-from replica.notify import PREFIX, NotifyKey, NotifyTokenError
+from replica.notify import NotifyKey, NotifyTokenError
+from wire.auth import NOTIFY_TOKEN_PREFIX as PREFIX
 from wire.names import parse_session_id, parse_tenant
 
 KEY = NotifyKey(bytes(range(32)))

@@ -16,14 +16,14 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fuzz.common import instrument
 
-    instrument("edge.classify")
+    instrument("wire.target")
 
 from starlette.datastructures import QueryParams
 
-from edge.classify import query_values, split_target
 from fuzz.common import Harness, main
 from fuzz.fuzz_classify import uvicorn_split
 from fuzz.known import Mismatch
+from wire.target import query_values, split_target
 
 KEYS = ("session_id", "tenant", "since")
 

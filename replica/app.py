@@ -27,7 +27,6 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from edge.classify import AuthClass, classify_authorization
 from replica import protocol
 from replica.callbacks import CallbackHandler, auth_class
 from replica.commands import CommandDeps, handle
@@ -47,6 +46,7 @@ from replica.grants import Grant, GrantVerifier, verify_grant
 from replica.live import LiveSession, Outgoing
 from replica.probes import Readiness
 from replica.transcript import UnknownMessage
+from wire.auth import AuthClass, classify_authorization
 from wire.errors import InvalidName, WireError
 from wire.names import parse_session_id, parse_tenant
 

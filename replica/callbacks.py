@@ -1,7 +1,7 @@
 """Job-end callbacks from sandboxes, as the replica answers them.
 
 A request is classified on its raw ``Authorization`` bytes exactly as the edge classifies it
-(``edge.classify``, rule N21/E1): a look-alike is refused 400 and never treated as a user
+(``wire.auth``, rule N21/E1): a look-alike is refused 400 and never treated as a user
 request. A callback's token is verified before any session is looked up, so a forged one costs a
 MAC and nothing else. Then:
 
@@ -22,14 +22,14 @@ from collections.abc import Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from edge.classify import AuthClass, classify_authorization
 from replica.errors import Unavailable
 from replica.jobs import Reconciler
 from replica.lifecycle import Lifecycle
 from replica.live import LiveSession, LiveState
 from replica.metrics import ReplicaMetrics
-from replica.notify import PREFIX, NotifyKey, NotifyTokenError
+from replica.notify import NotifyKey, NotifyTokenError
 from replica.registry import Registry
+from wire.auth import NOTIFY_TOKEN_PREFIX, AuthClass, classify_authorization
 
 ANSWER_WITHIN_S = 20.0
 MAX_CALLBACK_BYTES = 64 * 1024
@@ -41,7 +41,7 @@ def auth_class(request: Request) -> AuthClass:
 
 def _token(request: Request) -> str:
     value = request.headers["authorization"]
-    return value[value.index(PREFIX) :].strip()
+    return value[value.index(NOTIFY_TOKEN_PREFIX) :].strip()
 
 
 class CallbackHandler:

@@ -7,7 +7,9 @@ written to a log, a metric, an error message or the shard.
 
 Format: ``bjn_v1.<payload>.<mac>``, both parts unpadded base64url; the payload is JSON
 ``{"t": tenant, "s": session id, "n": nonce}`` and the mac is HMAC-SHA256 over
-``bjn_v1.<payload>`` with the notify key.
+``bjn_v1.<payload>`` with the notify key. The prefix is the contract's
+(``wire.auth.NOTIFY_TOKEN_PREFIX``): it is how the edge and the replica tell a callback from a
+user request; the rest of the token is this module's.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from dataclasses import dataclass, field
 
 from replica.errors import ReplicaError
 from replica.keyfiles import b64url_decode, b64url_encode
+from wire.auth import NOTIFY_TOKEN_PREFIX
 from wire.errors import InvalidName
 from wire.names import parse_session_id, parse_tenant
 
-PREFIX = "bjn_v1."
 MAX_TOKEN_CHARS = 1024
 
 
@@ -45,18 +47,18 @@ class NotifyKey:
         payload = json.dumps(
             {"t": tenant, "s": session_id, "n": secrets.token_urlsafe(8)}, separators=(",", ":")
         )
-        body = PREFIX + b64url_encode(payload.encode())
+        body = NOTIFY_TOKEN_PREFIX + b64url_encode(payload.encode())
         return body + "." + b64url_encode(self._mac(body))
 
     def verify(self, token: str) -> NotifyClaims:
         if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
             raise NotifyTokenError("notify token is malformed")
-        if not token.startswith(PREFIX) or token.count(".") != 2:
+        if not token.startswith(NOTIFY_TOKEN_PREFIX) or token.count(".") != 2:
             raise NotifyTokenError("notify token is malformed")
         body, _, mac_text = token.rpartition(".")
         try:
             mac = b64url_decode(mac_text)
-            payload = json.loads(b64url_decode(body[len(PREFIX) :]))
+            payload = json.loads(b64url_decode(body[len(NOTIFY_TOKEN_PREFIX) :]))
         except ValueError:
             raise NotifyTokenError("notify token is malformed") from None
         if not hmac.compare_digest(mac, self._mac(body)):

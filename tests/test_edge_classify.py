@@ -8,18 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from starlette.datastructures import QueryParams
 
-from edge.classify import (
-    AuthClass,
-    Kind,
-    Local,
-    Probe,
-    Refused,
-    Routed,
-    classify,
-    classify_authorization,
-    query_values,
-    split_target,
-)
+from edge.classify import Kind, Local, Probe, Refused, Routed, classify
+from wire.auth import AuthClass, classify_authorization
+from wire.target import query_values, split_target
 
 SID = "a07-s1.abc"
 TARGET = f"/_beyond/agent?session_id={SID}&tenant=t1"

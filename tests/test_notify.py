@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from replica.errors import ReplicaError
 from replica.keyfiles import b64url_decode, b64url_encode
-from replica.notify import MAX_TOKEN_CHARS, PREFIX, NotifyClaims, NotifyKey, NotifyTokenError
+from replica.notify import MAX_TOKEN_CHARS, NotifyClaims, NotifyKey, NotifyTokenError
 from replica.tools import NotifyTarget
+from wire.auth import NOTIFY_TOKEN_PREFIX as PREFIX
 
 KEY = NotifyKey(bytes(range(32)))
 OTHER = NotifyKey(bytes(range(1, 33)))

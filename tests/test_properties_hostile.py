@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from sse_starlette.event import ServerSentEvent
 from starlette.datastructures import QueryParams
 
-from edge.classify import AuthClass, Kind, Refused, Routed, classify, query_values, split_target
+from edge.classify import Kind, Refused, Routed, classify
 from fuzz.fuzz_classify import e1, uvicorn_split
 from fuzz.fuzz_grants import NOW, SEAL, VERIFIER, signed_token
 from fuzz.fuzz_sse import Event, parse_sse
@@ -39,6 +39,8 @@ from replica.segments import (
 )
 from replica.transcript import Message, Transcript, UnknownMessage
 from tests.harness import Fleet, Replica, fleet_at
+from wire.auth import AuthClass
+from wire.target import query_values, split_target
 
 # --- requests: the edge decides on what the replica will read ---------------------------------
 

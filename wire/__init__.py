@@ -4,7 +4,11 @@ What belongs here is what both sides must read or write the same way for the fle
 that it has one definition and neither side imports the other:
 
 - :mod:`wire.names`: the grammar of tenants, slices, shards, session ids and replica names;
-- :mod:`wire.errors`: the one error the grammar raises.
+- :mod:`wire.errors`: the one error the grammar raises;
+- :mod:`wire.http`: paths, query parameters, header names, refusal statuses, ``Retry-After``;
+- :mod:`wire.auth`: which ``Authorization`` values make a job-end callback (rule E1), and the
+  notify-token prefix;
+- :mod:`wire.target`: request-target and query decoding, as the replica's server does it.
 
 What does not: policy. How the edge retries and walks, its configuration, how a replica verifies
 a grant, mints a notify token or lays sessions out on a shard stay with the side that decides
