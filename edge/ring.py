@@ -1,14 +1,11 @@
 """The consistent-hash ring that places a session id on a replica of its slice.
 
-The hash and the layout match the reference edge bit for bit, so this edge and any other
-implementation of the contract agree on every owner: 64-bit FNV-1a, then the splitmix64
-finalizer; replica ``r`` sits at ``h("r#0")`` .. ``h("r#{vnodes-1}")``; an id belongs to the
-replica at the first position at or after ``h(id)``, wrapping past the top.
-
-The finalizer matters. FNV-1a ends on a multiply, which only carries a change in the last byte
-upwards, so the virtual nodes of one replica (which differ only in their last bytes) land in a
-tight cluster and the load split stops tracking the replica count. ``Ring`` takes the hash as a
-parameter only so a test can show that imbalance; production code always uses ``ring_hash``.
+The layout matches the reference edge bit for bit, so this edge and any other implementation of
+the contract agree on every owner: replica ``r`` sits at ``h("r#0")`` .. ``h("r#{vnodes-1}")``
+with the contract's hash ``h`` (:func:`wire.ring_hash.ring_hash`: FNV-1a, then the splitmix64
+finalizer); an id belongs to the replica at the first position at or after ``h(id)``, wrapping
+past the top. ``Ring`` takes the hash as a parameter only so a test can show what the ring looks
+like without the finalizer; production code always uses ``ring_hash``.
 
 Positions are built once per membership from replica *names*, never URLs, so a replica keeps its
 sessions when its address changes. A lookup is one hash plus a bisect over a sorted array;
@@ -21,36 +18,11 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-MASK64 = (1 << 64) - 1
-FNV_OFFSET = 0xCBF29CE484222325
-FNV_PRIME = 0x100000001B3
+from wire.ring_hash import ring_hash
+
 DEFAULT_VNODES = 64
 
 HashFn = Callable[[bytes], int]
-
-
-def fnv1a64(data: bytes) -> int:
-    """64-bit FNV-1a of ``data``."""
-    h = FNV_OFFSET
-    prime, mask = FNV_PRIME, MASK64  # locals: this loop is the whole cost of a lookup
-    for byte in data:
-        h = ((h ^ byte) * prime) & mask
-    return h
-
-
-def mix64(h: int) -> int:
-    """The splitmix64 finalizer: spreads every input bit over the whole word."""
-    h ^= h >> 30
-    h = (h * 0xBF58476D1CE4E5B9) & MASK64
-    h ^= h >> 27
-    h = (h * 0x94D049BB133111EB) & MASK64
-    h ^= h >> 31
-    return h
-
-
-def ring_hash(data: bytes) -> int:
-    """The ring's position function: ``mix64(fnv1a64(data))``."""
-    return mix64(fnv1a64(data))
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from edge.ring import ring_hash
 from fleet_sim.keys import KeySet, derive_tenant_dek, load_keyset, mint_grant
 from fleet_sim.sandbox import sandbox_exec
 from fleet_sim.serving import listen_arg, serve_until_signalled
@@ -40,6 +39,7 @@ from replica.errors import ReplicaError
 from replica.keyfiles import read_key_file
 from wire.errors import InvalidName
 from wire.names import parse_session_id, parse_slice, parse_tenant
+from wire.ring_hash import ring_hash
 
 log = logging.getLogger("fleet_sim.control_plane")
 

@@ -13,9 +13,10 @@ import aiohttp
 import pytest
 
 from edge.cli import main
-from edge.ring import Ring, ring_hash
+from edge.ring import Ring
 from tests.edge_fakes import FakeReplica, ok
 from wire.names import MAX_REPLICA_NAME
+from wire.ring_hash import ring_hash
 
 # The installed entry point, as a person types it (not ``python -m edge`` from the repo).
 FLEET_EDGE = shutil.which("fleet-edge", path=str(Path(sys.executable).parent))

@@ -7,7 +7,8 @@ import pytest
 from edge.config import EdgeOptions, load_config, parse_config_text
 from edge.errors import ConfigError, EdgeError, MalformedSessionId, RoutingError, UnknownSlice
 from edge.retry import RetryPolicy
-from edge.ring import Ring, ring_hash
+from edge.ring import Ring
+from wire.ring_hash import ring_hash
 
 GOOD = """
 [edge]

@@ -8,10 +8,12 @@ that it has one definition and neither side imports the other:
 - :mod:`wire.http`: paths, query parameters, header names, refusal statuses, ``Retry-After``;
 - :mod:`wire.auth`: which ``Authorization`` values make a job-end callback (rule E1), and the
   notify-token prefix;
-- :mod:`wire.target`: request-target and query decoding, as the replica's server does it.
+- :mod:`wire.target`: request-target and query decoding, as the replica's server does it;
+- :mod:`wire.ring_hash`: the hash that places session ids and replicas on a ring.
 
-What does not: policy. How the edge retries and walks, its configuration, how a replica verifies
-a grant, mints a notify token or lays sessions out on a shard stay with the side that decides
-them. Modules here are pure (no I/O, no clock, no framework) and import nothing from ``edge``,
-``replica`` or ``fleet_sim``; ``tests/test_wire_boundaries.py`` holds both sides to that.
+What does not: policy. How the edge builds its ring, retries and walks it, and reads its
+configuration; how a replica verifies a grant, mints a notify token or lays sessions out on a
+shard: each stays with the side that decides it. Modules here are pure (no I/O, no clock, no
+framework) and import nothing from ``edge``, ``replica`` or ``fleet_sim``;
+``tests/test_wire_boundaries.py`` holds both sides to that.
 """
