@@ -35,6 +35,7 @@ from edge.placement import PlacementFailed
 from edge.proxy import HttpProxy, answer, placement_failed, read_body, upstream_request
 from edge.ratelimit import TokenBucketLimiter, WindowLimiter, WindowRule
 from edge.retry import RetryPolicy
+from wire.http import RETRY_LATER
 
 log = logging.getLogger("edge.proxy")
 
@@ -112,13 +113,14 @@ async def forward_callback(
             tally.replica,
         )
         text = f"no replica answered the callback within {options.callback_budget_s:g} s"
-        return answer(503, text, retry_after=True), Outcome.TIMED_OUT
+        return answer(RETRY_LATER, text, retry_after=True), Outcome.TIMED_OUT
     except PlacementFailed as exc:
         failed = placement_failed(exc, slice_config, policy, Kind.CALLBACK, metrics)
         return failed.response(), failed.outcome
     except UpstreamTimeout as exc:
         log.warning("%s", exc)
-        return answer(503, "the replica did not answer the callback in time"), Outcome.TIMED_OUT
+        text = "the replica did not answer the callback in time"
+        return answer(RETRY_LATER, text), Outcome.TIMED_OUT
     except UpstreamBadResponse as exc:
         log.warning("%s", exc)
         return answer(502, f"replica {tally.replica} sent an unusable answer"), (

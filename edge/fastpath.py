@@ -53,6 +53,7 @@ from edge.memo import Memo
 from edge.metrics import Outcome
 from edge.proxy import EdgeAnswer, whole_body
 from edge.upstream import UpstreamResponse
+from wire.http import RETRY_AFTER_HEADER, RETRY_AFTER_S
 
 log = logging.getLogger("edge.fastpath")
 
@@ -68,6 +69,7 @@ _HEAD: Final = re.compile(rb"POST (/[\x21-\x7e]*) HTTP/1\.1((?:\r\n" + CANONICAL
 # Requests carrying these take the full path (body framing and handshakes are its business).
 _NOT_FAST: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 _CONNECTION_OPTIONS: Final = frozenset({b"close", b"keep-alive"})
+_RETRY_AFTER: Final = (RETRY_AFTER_HEADER.encode("ascii"), str(RETRY_AFTER_S).encode("ascii"))
 # Fields parse_head looks at (the rest are passed on as they are).
 _NOTED: Final = REFRAMED | _NOT_FAST | {b"host", b"authorization"}
 _NO_BODY_STATUS: Final = frozenset({204, 304})
@@ -199,7 +201,7 @@ def edge_answer(status: int, text: str, *, retry_after: bool = False, close: boo
     body = (text + "\n").encode("utf-8")
     fields = [(b"Content-Type", b"text/plain; charset=utf-8")]
     if retry_after:
-        fields.append((b"Retry-After", b"1"))
+        fields.append(_RETRY_AFTER)
     return response_head(status, fields, length=len(body), close=close) + body
 
 

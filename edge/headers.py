@@ -20,7 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from wire.http import RETRY_AFTER_HEADER
+
 RawHeaders = Sequence[tuple[bytes, bytes]]
+
+# The name to compare lower-cased raw field names with.
+RETRY_AFTER_FIELD = RETRY_AFTER_HEADER.lower().encode("ascii")
 
 HOP_BY_HOP = frozenset(
     {

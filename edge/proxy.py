@@ -39,6 +39,7 @@ from edge.errors import (
     UpstreamUnavailable,
 )
 from edge.headers import (
+    RETRY_AFTER_FIELD,
     RawHeaders,
     chunked_body,
     declared_length,
@@ -50,6 +51,7 @@ from edge.metrics import EdgeMetrics, Outcome
 from edge.placement import PlacementFailed, Refusal, Tally, place
 from edge.retry import GiveUpReason, RetryPolicy, parse_retry_after
 from edge.upstream import UpstreamPool, UpstreamResponse
+from wire.http import MISDIRECTED, RETRY_LATER, retry_after_headers
 
 log = logging.getLogger("edge.proxy")
 
@@ -61,7 +63,7 @@ SSE_IDLE_S: Final = 45.0
 COALESCE_LIMIT: Final = 64 * 1024
 # The statuses by which a replica declines a session (busy, or not its owner): retried or walked
 # past by the planner, never relayed while placement goes on.
-REFUSALS: Final = frozenset({503, 421})
+REFUSALS: Final = frozenset({RETRY_LATER, MISDIRECTED})
 # How much of a refusal's body is kept for the log, and how long the edge waits for it.
 REFUSAL_NOTE_BYTES: Final = 512
 REFUSAL_BODY_LIMIT: Final = 64 * 1024
@@ -72,7 +74,7 @@ _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 def answer(status: int, text: str, *, retry_after: bool = False) -> web.Response:
     """A response made by the edge itself (plain text, never quoting request headers)."""
-    headers = {"Retry-After": "1"} if retry_after else None
+    headers = retry_after_headers() if retry_after else None
     return web.Response(status=status, text=text + "\n", headers=headers)
 
 
@@ -155,7 +157,7 @@ async def _refusal(response: UpstreamResponse, replica: ReplicaConfig) -> Refusa
     status = response.status
     retry_after = None
     for name, value in response.headers:
-        if name.lower() == b"retry-after":
+        if name.lower() == RETRY_AFTER_FIELD:
             retry_after = parse_retry_after(value.decode("latin-1"))
             break
     body = response.body_if_complete()
@@ -325,7 +327,7 @@ def placement_failed(
         f"no replica of slice {slice_config.name} could take this session within "
         f"{policy.budget_s:g} s; last answer from {exc.note}"
     )
-    return EdgeAnswer(503, text, Outcome.EXHAUSTED, retry_after=True)
+    return EdgeAnswer(RETRY_LATER, text, Outcome.EXHAUSTED, retry_after=True)
 
 
 async def whole_body(

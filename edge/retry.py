@@ -46,6 +46,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from wire.http import MISDIRECTED, RETRY_LATER
+
 DEFAULT_BUDGET_S = 120.0
 # E4: a job-end callback is answered within 25 s, so its walk has to fit inside that.
 CALLBACK_BUDGET_S = 25.0
@@ -84,9 +86,9 @@ class AttemptResult:
 
     @classmethod
     def from_status(cls, status: int, retry_after_s: float | None = None) -> AttemptResult:
-        if status == 503:
+        if status == RETRY_LATER:
             return cls(Outcome.UNAVAILABLE, retry_after_s)
-        if status == 421:
+        if status == MISDIRECTED:
             return cls(Outcome.MISDIRECTED)
         return cls(Outcome.PASS_THROUGH)
 

@@ -56,6 +56,7 @@ from edge.proxy import EdgeAnswer, HttpProxy, answer
 from edge.retry import RetryPolicy
 from edge.upstream import UpstreamPool, UpstreamResponse
 from edge.websocket import WebSocketProxy
+from wire.http import RETRY_LATER
 
 log = logging.getLogger("edge.server")
 
@@ -430,8 +431,9 @@ class Edge:
         runtime = self.runtime
         options = runtime.config.options
         if self.in_flight > options.max_concurrent_requests:  # this request included
-            conn.answer(503, "the edge is at its concurrent request limit; retry", retry_after=True)
-            return 503, Outcome.SHED
+            text = "the edge is at its concurrent request limit; retry"
+            conn.answer(RETRY_LATER, text, retry_after=True)
+            return RETRY_LATER, Outcome.SHED
         try:
             route = runtime.route(decision.session_id)
         except RoutingError as exc:
@@ -493,7 +495,7 @@ class Edge:
         if len(self._tasks) > options.max_concurrent_requests:
             record.outcome = Outcome.SHED
             text = "the edge is at its concurrent request limit; retry"
-            return answer(503, text, retry_after=True)
+            return answer(RETRY_LATER, text, retry_after=True)
         headers = request.raw_headers
         try:
             slice_config = runtime.route(decision.session_id).slice_config

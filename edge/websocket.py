@@ -35,6 +35,7 @@ from edge.classify import Kind
 from edge.config import EdgeOptions, ReplicaConfig, SliceConfig
 from edge.errors import UpstreamBadResponse, UpstreamTimeout
 from edge.headers import (
+    RETRY_AFTER_FIELD,
     RawHeaders,
     response_headers,
     websocket_headers,
@@ -254,7 +255,7 @@ class WebSocketProxy:
             if status in REFUSALS:
                 retry_after = None
                 for name, value in refused.headers:
-                    if name.lower() == b"retry-after":
+                    if name.lower() == RETRY_AFTER_FIELD:
                         retry_after = parse_retry_after(value.decode("latin-1"))
                 note = refused.body[:512].decode("utf-8", "replace").strip().replace("\n", " ")
                 return Refusal.refused(status, retry_after, f"{status} {note}".rstrip())

@@ -12,6 +12,8 @@ from typing import Any, Final, TextIO
 
 import websockets
 
+from wire.http import AGENT_PATH, GRANT_HEADER, SESSION_ID_PARAM
+
 
 def render(frame: dict[str, Any]) -> str | None:
     """One frame as a person wants to read it; None for frames not worth showing."""
@@ -94,7 +96,7 @@ class Chat:
         while True:
             try:
                 async with websockets.connect(
-                    self.url, additional_headers={"x-beyond-grant": self.grant}, max_size=None
+                    self.url, additional_headers={GRANT_HEADER: self.grant}, max_size=None
                 ) as ws:
                     await self._session(ws, resumed=lost_at is not None)
                     return 1 if self.failed else 0
@@ -205,5 +207,7 @@ async def chat(
     """Hold a session until stdin ends (or, with ``message``, for one turn). A lost connection
     (its replica died, drained or was fenced; the edge restarted) is made again within
     ``reconnect_budget_s``, and the turn in flight is followed on if it survived."""
-    url = edge.replace("http", "ws", 1).rstrip("/") + f"/_beyond/agent?session_id={session_id}"
+    url = (
+        edge.replace("http", "ws", 1).rstrip("/") + f"{AGENT_PATH}?{SESSION_ID_PARAM}={session_id}"
+    )
     return await Chat(url, grant, message, out).hold(reconnect_budget_s)

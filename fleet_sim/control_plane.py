@@ -38,6 +38,7 @@ from fleet_sim.serving import listen_arg, serve_until_signalled
 from replica.errors import ReplicaError
 from replica.keyfiles import read_key_file
 from wire.errors import InvalidName
+from wire.http import AGENT_PATH, GRANT_HEADER, SESSION_ID_PARAM
 from wire.names import parse_session_id, parse_slice, parse_tenant
 from wire.ring_hash import ring_hash
 
@@ -193,14 +194,14 @@ class ControlPlane:
         except InvalidName:
             return
         grant = self.grant(tenant, session_id)
-        url = f"{self.config.edge_url}/_beyond/agent"
+        url = f"{self.config.edge_url}{AGENT_PATH}"
         for attempt in range(8):
             try:
                 async with self._http.post(
                     url,
-                    params={"session_id": session_id},
+                    params={SESSION_ID_PARAM: session_id},
                     data=json.dumps({"type": "get_state"}),
-                    headers={"x-beyond-grant": grant, "content-type": "application/json"},
+                    headers={GRANT_HEADER: grant, "content-type": "application/json"},
                 ) as response:
                     if response.status == 200:
                         self.wakes[session_id] = self.wakes.get(session_id, 0) + 1

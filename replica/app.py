@@ -48,11 +48,31 @@ from replica.probes import Readiness
 from replica.transcript import UnknownMessage
 from wire.auth import AuthClass, classify_authorization
 from wire.errors import InvalidName, WireError
+from wire.http import (
+    AGENT_PATH,
+    EVENTS_PATH,
+    GRANT_HEADER,
+    GRANT_REFUSED,
+    LAST_EVENT_ID_HEADER,
+    LIVEZ_PATH,
+    MALFORMED,
+    MISDIRECTED,
+    NOT_PERMITTED,
+    READYZ_PATH,
+    RETRY_LATER,
+    SESSION_ID_HEADER,
+    SESSION_ID_PARAM,
+    SINCE_PARAM,
+    TENANT_PARAM,
+    UNKNOWN_EVENT_ID,
+    retry_after_headers,
+)
 from wire.names import parse_session_id, parse_tenant
 
 log = logging.getLogger("replica.app")
 
-GRANT_HEADER = "x-beyond-grant"
+# The WebSocket accept sends its header in lower case, as it always has.
+_WS_SESSION_ID_HEADER = SESSION_ID_HEADER.lower().encode("ascii")
 WS_CLOSE_LAGGED = 1013
 WS_CLOSE_GOING_AWAY = 1001
 
@@ -67,9 +87,9 @@ class Refusal(Exception):
         self.status, self.reason, self.metric, self.session_id = status, reason, metric, session_id
 
     def response(self) -> Response:
-        headers = {"Retry-After": "1"} if self.status == 503 else {}
+        headers = retry_after_headers() if self.status == RETRY_LATER else {}
         if self.session_id:
-            headers["X-Session-Id"] = self.session_id
+            headers[SESSION_ID_HEADER] = self.session_id
         return PlainTextResponse(self.reason + "\n", self.status, headers=headers)
 
 
@@ -77,22 +97,25 @@ def refusal_for(exc: ReplicaError | WireError, session_id: str | None = None) ->
     """The one mapping from the replica's errors (and the contract's, a bad name) to HTTP
     statuses."""
     if isinstance(exc, GrantError):
-        return Refusal(401, f"grant refused: {exc}", "auth", session_id)
+        return Refusal(GRANT_REFUSED, f"grant refused: {exc}", "auth", session_id)
     if isinstance(exc, BadRequest | InvalidName):
-        return Refusal(400, str(exc), "bad_request", session_id)
+        return Refusal(MALFORMED, str(exc), "bad_request", session_id)
     if isinstance(exc, Forbidden):
-        return Refusal(403, str(exc), "forbidden", session_id)
+        return Refusal(NOT_PERMITTED, str(exc), "forbidden", session_id)
     if isinstance(exc, Misdirected):
-        return Refusal(421, str(exc), "misdirected", session_id)
+        return Refusal(MISDIRECTED, str(exc), "misdirected", session_id)
     if isinstance(exc, LockHeld):
         return Refusal(
-            503, "that session is open on another replica; retry", "unavailable", session_id
+            RETRY_LATER, "that session is open on another replica; retry", "unavailable", session_id
         )
     if isinstance(exc, Unavailable):
-        return Refusal(503, str(exc), exc.reason, session_id)
+        return Refusal(RETRY_LATER, str(exc), exc.reason, session_id)
     if isinstance(exc, StorageUnavailable | LockLost):
         return Refusal(
-            503, f"session storage is unavailable here; retry ({exc})", "storage", session_id
+            RETRY_LATER,
+            f"session storage is unavailable here; retry ({exc})",
+            "storage",
+            session_id,
         )
     if isinstance(exc, CorruptHistory):
         return Refusal(
@@ -123,11 +146,11 @@ class ReplicaApp:
                 Middleware(HeaderBound, on_refuse=lambda: self.metrics.refuse("too_large"))
             ],
             routes=[
-                Route("/_beyond/agent", self.post_agent, methods=["POST"]),
-                WebSocketRoute("/_beyond/agent", self.ws_agent),
-                Route("/_beyond/agent/events", self.sse_events, methods=["GET"]),
-                Route("/livez", self.livez, methods=["GET"]),
-                Route("/readyz", self.readyz, methods=["GET"]),
+                Route(AGENT_PATH, self.post_agent, methods=["POST"]),
+                WebSocketRoute(AGENT_PATH, self.ws_agent),
+                Route(EVENTS_PATH, self.sse_events, methods=["GET"]),
+                Route(LIVEZ_PATH, self.livez, methods=["GET"]),
+                Route(READYZ_PATH, self.readyz, methods=["GET"]),
             ],
         )
 
@@ -137,29 +160,29 @@ class ReplicaApp:
         # A job-end token belongs on POST /_beyond/agent only, and a look-alike nowhere (N21).
         auth = classify_authorization(headers.raw)
         if auth is AuthClass.LOOKALIKE:
-            raise Refusal(400, "malformed job-end callback authorization", "bad_request")
+            raise Refusal(MALFORMED, "malformed job-end callback authorization", "bad_request")
         if auth is AuthClass.CALLBACK:
             raise Refusal(
-                403, "a job-end token is accepted only on POST /_beyond/agent", "forbidden"
+                NOT_PERMITTED, f"a job-end token is accepted only on POST {AGENT_PATH}", "forbidden"
             )
         token = headers.get(GRANT_HEADER)
         if token is None:
-            raise Refusal(401, f"no grant: send the {GRANT_HEADER} header", "auth")
+            raise Refusal(GRANT_REFUSED, f"no grant: send the {GRANT_HEADER} header", "auth")
         try:
             grant = verify_grant(self.verifier, token)
         except GrantError as exc:
             raise refusal_for(exc) from None
-        ids = query.getlist("session_id")
+        ids = query.getlist(SESSION_ID_PARAM)
         if not ids:
-            raise Refusal(400, "no session_id in the query", "bad_request")
+            raise Refusal(MALFORMED, "no session_id in the query", "bad_request")
         if len(ids) > 1:
-            raise Refusal(400, "session_id is given more than once", "bad_request")
+            raise Refusal(MALFORMED, "session_id is given more than once", "bad_request")
         sid = ids[0]
         if sid != str(grant.session):
-            raise Refusal(403, "the grant is for another session", "forbidden")
-        tenants = query.getlist("tenant")
+            raise Refusal(NOT_PERMITTED, "the grant is for another session", "forbidden")
+        tenants = query.getlist(TENANT_PARAM)
         if len(tenants) > 1 or (tenants and tenants[0] != grant.tenant):
-            raise Refusal(403, "the grant is for another tenant", "forbidden", sid)
+            raise Refusal(NOT_PERMITTED, "the grant is for another tenant", "forbidden", sid)
         try:
             parse_session_id(sid)
             parse_tenant(grant.tenant)
@@ -199,7 +222,10 @@ class ReplicaApp:
                 raise refusal_for(exc, sid) from None
             if command.type == "job_ended":
                 raise Refusal(
-                    400, "job_ended is sent by sandboxes with a notify token", "bad_request", sid
+                    MALFORMED,
+                    "job_ended is sent by sandboxes with a notify token",
+                    "bad_request",
+                    sid,
                 )
             live = await self.place(grant)
         except Refusal as refusal:
@@ -213,7 +239,7 @@ class ReplicaApp:
         status = 200
         if command.type == "prompt":
             status = 202 if frame["type"] == "ack" else 409
-        return JSONResponse(frame, status, headers={"X-Session-Id": sid})
+        return JSONResponse(frame, status, headers={SESSION_ID_HEADER: sid})
 
     # -- WebSocket --------------------------------------------------------------------------
 
@@ -222,15 +248,18 @@ class ReplicaApp:
             grant = self.authorize(websocket.headers, websocket.query_params)
             live = await self.place(grant)
             try:
-                catchup = live.catchup(websocket.query_params.get("since"))
+                catchup = live.catchup(websocket.query_params.get(SINCE_PARAM))
             except UnknownMessage:
                 raise Refusal(
-                    409, "unknown message id in 'since'", "bad_request", live.session_id
+                    UNKNOWN_EVENT_ID,
+                    "unknown message id in 'since'",
+                    "bad_request",
+                    live.session_id,
                 ) from None
         except Refusal as refusal:
             await websocket.send_denial_response(self.refused(refusal))
             return
-        await websocket.accept(headers=[(b"x-session-id", live.session_id.encode())])
+        await websocket.accept(headers=[(_WS_SESSION_ID_HEADER, live.session_id.encode())])
         subscriber = live.attach("ws")
         subscriber.offer(Outgoing(protocol.dumps(catchup)))
         self.metrics.streams_open.labels("ws").inc()
@@ -285,12 +314,14 @@ class ReplicaApp:
         try:
             grant = self.authorize(request.headers, request.query_params)
             live = await self.place(grant)
-            since = request.headers.get("last-event-id") or request.query_params.get("since")
+            since = request.headers.get(LAST_EVENT_ID_HEADER) or request.query_params.get(
+                SINCE_PARAM
+            )
             try:
                 catchup = live.catchup(since or None)
             except UnknownMessage:
                 raise Refusal(
-                    409,
+                    UNKNOWN_EVENT_ID,
                     "unknown event id: the session has no such message",
                     "bad_request",
                     live.session_id,
@@ -320,7 +351,7 @@ class ReplicaApp:
             ping=self.keepalive_s,
             ping_message_factory=lambda: ServerSentEvent(comment="keepalive"),
             headers={
-                "X-Session-Id": live.session_id,
+                SESSION_ID_HEADER: live.session_id,
                 "Cache-Control": "no-store",
                 "X-Accel-Buffering": "no",
             },

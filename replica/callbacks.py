@@ -30,6 +30,15 @@ from replica.metrics import ReplicaMetrics
 from replica.notify import NotifyKey, NotifyTokenError
 from replica.registry import Registry
 from wire.auth import NOTIFY_TOKEN_PREFIX, AuthClass, classify_authorization
+from wire.http import (
+    GRANT_REFUSED,
+    MALFORMED,
+    NOT_PERMITTED,
+    RETRY_LATER,
+    SESSION_ID_PARAM,
+    TENANT_PARAM,
+    retry_after_headers,
+)
 
 ANSWER_WITHIN_S = 20.0
 MAX_CALLBACK_BYTES = 64 * 1024
@@ -64,7 +73,7 @@ class CallbackHandler:
 
     def _answer(self, status: int, message: str, outcome: str) -> Response:
         self.metrics.callbacks.labels(outcome).inc()
-        headers = {"Retry-After": "1"} if status == 503 else {}
+        headers = retry_after_headers() if status == RETRY_LATER else {}
         return PlainTextResponse(message + "\n", status, headers=headers)
 
     async def handle(self, request: Request) -> Response:
@@ -73,22 +82,22 @@ class CallbackHandler:
                 return await self._handle(request)
         except TimeoutError:
             return self._answer(
-                503, "the job's end could not be handled in time; retry", "unavailable"
+                RETRY_LATER, "the job's end could not be handled in time; retry", "unavailable"
             )
 
     async def _handle(self, request: Request) -> Response:
         try:
             claims = self.notify_key.verify(_token(request))
         except (NotifyTokenError, ValueError):
-            return self._answer(401, "the notify token does not verify", "refused")
-        ids = request.query_params.getlist("session_id")
-        tenants = request.query_params.getlist("tenant")
+            return self._answer(GRANT_REFUSED, "the notify token does not verify", "refused")
+        ids = request.query_params.getlist(SESSION_ID_PARAM)
+        tenants = request.query_params.getlist(TENANT_PARAM)
         if len(ids) != 1 or len(tenants) > 1:
             return self._answer(
-                400, "name session_id exactly once (and tenant at most once)", "bad_request"
+                MALFORMED, "name session_id exactly once (and tenant at most once)", "bad_request"
             )
         if ids[0] != claims.session_id or (tenants and tenants[0] != claims.tenant):
-            return self._answer(403, "the token is for another session", "refused")
+            return self._answer(NOT_PERMITTED, "the token is for another session", "refused")
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_CALLBACK_BYTES):
             return self._answer(413, "the callback body is too large", "bad_request")
@@ -100,13 +109,15 @@ class CallbackHandler:
         except (ValueError, UnicodeDecodeError):
             event = None
         if not isinstance(event, dict) or event.get("type") != "job_ended":
-            return self._answer(400, 'a callback body is {"type": "job_ended", ...}', "bad_request")
+            return self._answer(
+                MALFORMED, 'a callback body is {"type": "job_ended", ...}', "bad_request"
+            )
         live = self.registry.sessions.get(claims.session_id)
         if live is not None and live.tenant == claims.tenant and live.state is LiveState.OPEN:
             try:
                 await self.reconciler(live).request()
             except Unavailable as exc:
-                return self._answer(503, str(exc), "unavailable")
+                return self._answer(RETRY_LATER, str(exc), "unavailable")
             self.metrics.callbacks.labels("reconciled").inc()
             return JSONResponse({"reconciled": True})
         report = {
@@ -120,4 +131,6 @@ class CallbackHandler:
         if await self.lifecycle.hand_off(report, self.answer_within_s - 1.0):
             self.metrics.callbacks.labels("handed_off").inc()
             return JSONResponse({"handed_off": True}, status_code=202)
-        return self._answer(503, "this replica does not hold the session; retry", "unavailable")
+        return self._answer(
+            RETRY_LATER, "this replica does not hold the session; retry", "unavailable"
+        )

@@ -76,7 +76,6 @@ from replica.secretbox import open_sealed
 from wire.errors import InvalidName
 from wire.names import SessionId, Shard, parse_session_id, parse_shard, parse_tenant
 
-HEADER_NAME: Final = "x-beyond-grant"
 ALGORITHM: Final = "EdDSA"
 # Fixed here, never read from a token.
 ALGORITHMS: Final = (ALGORITHM,)
@@ -425,7 +424,6 @@ __all__ = [
     "ALGORITHMS",
     "DEFAULT_AUDIENCE",
     "DEFAULT_ISSUER",
-    "HEADER_NAME",
     "Grant",
     "GrantError",
     "GrantVerifier",

@@ -47,6 +47,14 @@ from replica.registry import Registry
 from replica.sandbox_client import SandboxClient, new_http_client
 from replica.store import SessionStore, StoreConfig
 from replica.tools import NotifyTarget
+from wire.http import (
+    AGENT_PATH,
+    RETRY_AFTER_HEADER,
+    RETRY_AFTER_S,
+    RETRY_LATER,
+    SESSION_ID_PARAM,
+    TENANT_PARAM,
+)
 from wire.names import parse_shard
 
 log = logging.getLogger("replica.service")
@@ -93,8 +101,8 @@ class _WebSockets(WebSocketsSansIOProtocol):
             return
         if self.initial_response or self.handshake_complete or self.transport.is_closing():
             return
-        response = self.conn.reject(503, "this replica is shutting down; retry\n")
-        response.headers["Retry-After"] = "1"
+        response = self.conn.reject(RETRY_LATER, "this replica is shutting down; retry\n")
+        response.headers[RETRY_AFTER_HEADER] = str(RETRY_AFTER_S)
         self.conn.send_response(response)
         self.transport.write(b"".join(self.conn.data_to_send()))
 
@@ -212,9 +220,11 @@ class ReplicaService:
         )
 
     def _notify_target(self, live: LiveSession) -> NotifyTarget:
-        query = urllib.parse.urlencode({"session_id": live.session_id, "tenant": live.tenant})
+        query = urllib.parse.urlencode(
+            {SESSION_ID_PARAM: live.session_id, TENANT_PARAM: live.tenant}
+        )
         return NotifyTarget(
-            f"{self.config.notify_origin}/_beyond/agent?{query}",
+            f"{self.config.notify_origin}{AGENT_PATH}?{query}",
             self.notify_key.mint(live.tenant, live.session_id),
         )
 

@@ -39,12 +39,12 @@ from fleet_sim.webui.fleet import FleetView
 from fleet_sim.webui.guard import Allowed, refusal
 from fleet_sim.webui.store import GrantStore, Held
 from wire.errors import InvalidName
+from wire.http import AGENT_PATH, EVENTS_PATH, GRANT_HEADER
 from wire.names import parse_session_id, parse_tenant
 
 log = logging.getLogger("fleet_sim.webui")
 
 COOKIE: Final = "fleet_webui"
-GRANT_HEADER: Final = "x-beyond-grant"
 STATIC = Path(__file__).resolve().parent / "static"
 MAX_BODY = 1024 * 1024
 MAX_GRANT = 16 * 1024
@@ -303,7 +303,7 @@ class WebUI:
                 request,
                 held,
                 "POST",
-                "/_beyond/agent",
+                AGENT_PATH,
                 {"Content-Type": "application/json"},
                 body=body,
                 limits=aiohttp.ClientTimeout(total=self.config.command_timeout_s),
@@ -338,7 +338,7 @@ class WebUI:
                 request,
                 held,
                 "GET",
-                "/_beyond/agent/events",
+                EVENTS_PATH,
                 headers,
                 extra={"since": since} if since else {},
                 limits=aiohttp.ClientTimeout(
