@@ -28,8 +28,8 @@ import websockets
 
 from bench.store_bench import typical_turn
 from fleet_sim.local import Fleet, Replica
-from replica.names import parse_session_id
 from replica.store import SessionStore
+from wire.names import parse_session_id
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 from replica.history import read_history
-from replica.names import parse_session_id
 from replica.sealing import RecordSealer
 from replica.store import Committed, SessionStore
 from replica.transcript import Message, new_message_id
+from wire.names import parse_session_id
 
 _SENTENCES = [
     "The failing test expects three tokens but the tokenizer returns two.",

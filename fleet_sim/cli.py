@@ -28,6 +28,7 @@ from fleet_sim.keys import (
 )
 from replica.errors import ReplicaError
 from replica.keyfiles import read_key_file
+from wire.errors import WireError
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -418,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
-    except (ReplicaError, UsageError) as exc:
+    except (ReplicaError, WireError, UsageError) as exc:
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:
