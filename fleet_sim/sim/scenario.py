@@ -32,7 +32,7 @@ from fleet_sim.sim.workload import Session, reachable
 from fleet_sim.up import SLICES, LocalFleet, UpConfig, start
 from replica.errors import StoreError
 from replica.history import History
-from replica.names import parse_session_id
+from wire.names import parse_session_id
 from replica.store import SessionStore
 
 T = TypeVar("T")

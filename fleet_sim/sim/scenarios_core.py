@@ -23,7 +23,7 @@ from fleet_sim.sim.scenario import Context, scenario
 from fleet_sim.sim.substrates import NotApplicable
 from fleet_sim.sim.workload import Session, drive, prompt_ws
 from fleet_sim.up import SLICES
-from replica.names import parse_session_id
+from wire.names import parse_session_id
 
 # Long enough to see every other session served meanwhile, far below the edge's header timeout.
 PAUSE_S = 4.0
