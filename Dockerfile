@@ -26,6 +26,7 @@ COPY pyproject.toml README.md ./
 COPY edge ./edge
 COPY replica ./replica
 COPY fleet_sim ./fleet_sim
+COPY wire ./wire
 # No dev extras: the image runs the fleet, it does not test it.
 RUN python -m venv /opt/fleet \
     && /opt/fleet/bin/pip install --no-cache-dir . \
