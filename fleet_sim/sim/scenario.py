@@ -32,8 +32,8 @@ from fleet_sim.sim.workload import Session, reachable
 from fleet_sim.up import SLICES, LocalFleet, UpConfig, start
 from replica.errors import StoreError
 from replica.history import History
-from wire.names import parse_session_id
 from replica.store import SessionStore
+from wire.names import parse_session_id
 
 T = TypeVar("T")
 SUBSTRATES = ("local-dir", "leasefs", "juicefs", "attached")
