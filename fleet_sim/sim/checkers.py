@@ -155,16 +155,26 @@ def latency_figures(samples: Sequence[float], prefix: str) -> dict[str, float]:
     }
 
 
-def takeover_times(ops: Sequence[Op], fault_at: float, sessions: Iterable[str]) -> list[float]:
-    """For each session, from the fault to the end of its first ok operation that started
-    after the fault: how long the session was unavailable to its client."""
+def takeover_times(
+    ops: Sequence[Op], fault_at: float, sessions: Iterable[str], *, began_after: bool = False
+) -> list[float]:
+    """For each session, from the fault to the end of its first ok operation that ended after
+    the fault: how long the session was unavailable to its client. With ``began_after``, only an
+    operation begun after the fault counts: after a freeze, a turn done just before it still
+    ends later, its client waiting for a close frame the stopped owner never sends."""
     by_session: dict[str, list[Op]] = defaultdict(list)
     for op in ops:
         by_session[op.session_id].append(op)
     times = []
     for sid in sessions:
         after = sorted(
-            (op for op in by_session.get(sid, ()) if op.ended >= fault_at and op.outcome == "ok"),
+            (
+                op
+                for op in by_session.get(sid, ())
+                if op.ended >= fault_at
+                and op.outcome == "ok"
+                and (op.started >= fault_at or not began_after)
+            ),
             key=lambda o: o.ended,
         )
         if after:

@@ -8,7 +8,8 @@ import shutil
 import sys
 from pathlib import Path
 
-import fleet_sim.sim.scenarios_jobs  # noqa: F401 - registers the job-end scenarios
+import fleet_sim.sim.scenarios_jobs  # registers the job-end scenarios
+import fleet_sim.sim.scenarios_storage  # noqa: F401 - frozen hosts, metadata, stale clients
 from fleet_sim.control_plane import GRANT_TTL_S, grant_ttl_arg
 from fleet_sim.sim import scenarios_core  # noqa: F401 - registers the catalogue
 from fleet_sim.sim.fleets import AttachedError, AttachedFleet
@@ -146,11 +147,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     soak_parser = subparsers.add_parser(
         "soak",
-        help="a long run with deploys, kills, partitions",
+        help="a long run with deploys, kills, partitions, freezes",
         description="Many sessions prompting through the edge for --duration seconds while "
-        "faults are injected on random replicas: rolling deploys, kill -9 and (on leasefs) "
-        "storage partitions, dealt in proportion 2:1:1. Graded like any scenario, with "
-        "turns, faults and takeover times per fault kind in results/<run>/.",
+        "faults are injected on random replicas: rolling deploys and kill -9 in proportion "
+        "2:1; on leasefs, storage partitions (1); on juicefs, partitions of a host from the "
+        "metadata engine, host freezes (the replica and its JuiceFS client stopped, the "
+        "replica taken out of the edge's ring) and restarts of the engine (1 each). Graded "
+        "like any scenario, with turns, faults and takeover times per fault kind in "
+        "results/<run>/.",
     )
     soak_parser.add_argument(
         "--duration", type=_positive, default=300.0, metavar="S", help="seconds of workload"
@@ -177,7 +181,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="lifetime of the grants the control plane mints (default 3600); clients renew "
         "theirs at half of it, as long-lived clients must",
     )
-    soak_parser.add_argument("--substrate", default="local-dir", choices=SUBSTRATES[:2])
+    soak_parser.add_argument("--substrate", default="local-dir", choices=SUBSTRATES[:3])
     _results_arg(soak_parser)
     soak_parser.set_defaults(handler=_soak)
 
@@ -242,8 +246,8 @@ def _soak(args: argparse.Namespace) -> int:
     item = Scenario(
         "soak",
         ("soak-completes",),
-        ("local-dir", "leasefs"),
-        "many sessions, rolling deploys, kills and partitions",
+        SUBSTRATES[:3],
+        "many sessions, rolling deploys, kills, partitions, freezes, metadata restarts",
         lambda ctx: soak(
             ctx,
             duration_s=args.duration,

@@ -19,6 +19,8 @@ from edge.ring import Ring
 from fleet_sim.keys import derive_tenant_dek
 from fleet_sim.sim import checkers
 from fleet_sim.sim.checkers import ClaimResult, verdict
+from fleet_sim.sim.faults import storage_expiry_s, wait_unready
+from fleet_sim.sim.journal import Op
 from fleet_sim.sim.scenario import Context, scenario
 from fleet_sim.sim.substrates import NotApplicable
 from fleet_sim.sim.workload import Session, drive, prompt_ws
@@ -38,10 +40,17 @@ STANDARD = (
 
 
 def _run_workload_with(
-    ctx: Context, sessions: list[Session], seconds: float, fault: object = None, at: float = 0.3
+    ctx: Context,
+    sessions: list[Session],
+    seconds: float,
+    fault: object = None,
+    at: float = 0.3,
+    *,
+    keepalive_s: float | None = None,
 ) -> dict[str, float]:
     """Drive ``sessions`` for ``seconds`` while ``fault()`` runs ``at`` of the way in (in a
-    thread, so the clients keep going); returns when the fault happened."""
+    thread, so the clients keep going); returns when the fault happened. ``keepalive_s``: the
+    clients' pings (see ``workload.prompt_ws``)."""
     until = time.time() + seconds
     marks: dict[str, float] = {}
 
@@ -62,7 +71,13 @@ def _run_workload_with(
         thread.start()
     ctx.run(
         drive(
-            ctx.edge, sessions, ctx.journal, until=until, max_ops=len(sessions) * 400, seed=ctx.seed
+            ctx.edge,
+            sessions,
+            ctx.journal,
+            until=until,
+            max_ops=len(sessions) * 400,
+            seed=ctx.seed,
+            keepalive_s=keepalive_s,
         )
     )
     if thread:
@@ -212,7 +227,7 @@ def rolling_deploy(ctx: Context) -> list[ClaimResult]:
 @scenario(
     "ring-change-moves-only-its-share",
     claims=(*STANDARD, "ring-change-moves-only-its-share"),
-    substrates=("local-dir", "leasefs"),  # it adds a replica and reloads the edge itself
+    substrates=("local-dir", "leasefs", "juicefs"),  # it adds a replica and reloads the edge
 )
 def ring_change(ctx: Context) -> list[ClaimResult]:
     """A replica joins the slice and the edge reloads: only the ids the new ring gives it move,
@@ -390,13 +405,26 @@ def tenant_isolation(ctx: Context) -> list[ClaimResult]:
     claims=(*STANDARD, "survivor-takes-over-inside-budget"),
     substrates=("leasefs", "attached"),
 )
+@scenario(  # on juicefs a host is cut off from its metadata engine: its name there
+    "takeover-after-metadata-partition",
+    claims=(*STANDARD, "survivor-takes-over-inside-budget"),
+    substrates=("juicefs",),
+)
 def takeover_after_partition(ctx: Context) -> list[ClaimResult]:
-    """A replica is cut off from storage past its lease; survivors take its sessions over."""
+    """A replica is cut off from storage past its lease (leasefs: its mount; juicefs: its link
+    to the metadata engine) while it runs on; its readiness turns red, it sheds its readers and
+    refuses, the edge walks, and survivors take its sessions over."""
     sessions = ctx.sessions(4)
     victim = ctx.owner(sessions[0].session_id)
     affected = [s.session_id for s in sessions if ctx.owner(s.session_id) == victim]
+    # Long enough for the lease to lapse and a takeover after it (3 s: leasefs's lease).
+    longer = max(0.0, storage_expiry_s(ctx.substrate) - 3.0)
     marks = _run_workload_with(
-        ctx, sessions, 14 if ctx.quick else 25, lambda: ctx.substrate.partition(victim), at=0.2
+        ctx,
+        sessions,
+        (14 if ctx.quick else 25) + longer,
+        lambda: ctx.substrate.partition(victim),
+        at=0.2,
     )
     ctx.substrate.heal(victim)
     times = checkers.takeover_times(ctx.ops(), marks["fault_at"], affected)
@@ -407,7 +435,11 @@ def takeover_after_partition(ctx: Context) -> list[ClaimResult]:
         else []
     )
     errors += [f"a takeover took {t:.1f}s" for t in times if t > budget]
-    figures = {"victim": victim, **checkers.latency_figures(times, "takeover")}
+    figures = {
+        "victim": victim,
+        "storage_expiry_s": storage_expiry_s(ctx.substrate),
+        **checkers.latency_figures(times, "takeover"),
+    }
     ctx.notes["takeover"] = figures
     return [
         *ctx.standard_claims(sessions),
@@ -418,7 +450,7 @@ def takeover_after_partition(ctx: Context) -> list[ClaimResult]:
 @scenario(
     "hung-mount-is-reported-not-leaked",
     claims=("hung-mount-is-reported-not-leaked",),
-    substrates=("leasefs", "attached"),
+    substrates=("leasefs", "juicefs", "attached"),
 )
 def hung_mount(ctx: Context) -> list[ClaimResult]:
     """A hung mount turns readiness red within about a second, liveness stays green, and 20
@@ -475,7 +507,7 @@ def hung_mount(ctx: Context) -> list[ClaimResult]:
 @scenario(
     "fenced-owner-stops-and-says-so",
     claims=("fenced-owner-stops-and-says-so", *STANDARD),
-    substrates=("leasefs", "attached"),
+    substrates=("leasefs", "juicefs", "attached"),
 )
 def fenced_owner(ctx: Context) -> list[ClaimResult]:
     """An owner cut off mid-session is fenced: its client is told session_superseded, the
@@ -486,24 +518,54 @@ def fenced_owner(ctx: Context) -> list[ClaimResult]:
     victim_metrics = _metrics_url(ctx.fleet.replicas[victim][1].metrics_url)
     # An attached fleet has been running before: count from what the victim says now.
     superseded_before = _superseded(httpx.get(victim_metrics, timeout=5).text)
+    url = ctx.fleet.replicas[victim][1].url
     ctx.substrate.partition(victim)
+    cut = time.time()
+    # Once its storage stops answering, the victim refuses the session (readiness red) and the
+    # edge walks. Asked sooner, it would take the turn and hang in its commit, to finish it
+    # after the heal: fenced then, with its reader already shed, nobody to tell.
+    red_after = wait_unready(url)
     # Another client reaches the session through the edge: the walk finds a survivor once the
     # victim's lease lapses.
-    ctx.run(prompt_ws(ctx.edge, session, ctx.journal))
+    taken = ctx.run(_prompt_until_ok(ctx, session, until=cut + ctx.fleet.retry_budget_s))
     ctx.substrate.heal(victim)
-    # The victim is asked directly to run a turn: its commit must fail and say so.
-    url = ctx.fleet.replicas[victim][1].url
+    ctx.faults.wait_ready(victim)
+    # The victim, which still holds the session open, is asked directly to run a turn: its
+    # commit must find the successor's segment (or, where storage fences, fail) and say so.
     told = asyncio.run(_attach_and_prompt(url, session))
     superseded = _superseded(httpx.get(victim_metrics, timeout=5).text) - superseded_before
+    histories, _ = ctx.histories([session])
+    history = histories.get(session.session_id)
+    epochs = [s.epoch for s in history.segments] if history else []
     errors = []
+    if taken.outcome != "ok":
+        errors.append(f"no survivor took the session over: {taken.detail}")
+    elif len(epochs) < 2:
+        errors.append(f"a turn was served, yet no successor segment exists (epochs {epochs})")
     if told not in ("superseded", "refused"):
         errors.append(f"the fenced owner's client saw {told!r}")
     if told == "superseded" and superseded != 1:
         errors.append(f"the fenced owner counted {superseded} supersessions, not 1")
+    figures = {
+        "client_saw": told,
+        "supersessions_counted": superseded,
+        "unready_after_s": round(red_after, 2),
+        "taken_over_after_s": round(taken.ended - cut, 2),
+        "epochs": epochs,
+    }
     return [
-        verdict("fenced-owner-stops-and-says-so", errors, {"client_saw": told}),
+        verdict("fenced-owner-stops-and-says-so", errors, figures),
         *ctx.standard_claims([session]),
     ]
+
+
+async def _prompt_until_ok(ctx: Context, session: Session, *, until: float) -> Op:
+    """Prompt through the edge until a turn is acknowledged or ``until``; the last attempt."""
+    while True:
+        op = await prompt_ws(ctx.edge, session, ctx.journal)
+        if op.outcome == "ok" or time.time() > until:
+            return op
+        await asyncio.sleep(0.2)
 
 
 async def _attach_and_prompt(url: str, session: Session) -> str:

@@ -49,7 +49,7 @@ from replica.keyfiles import read_key_file
 from replica.notify import NotifyKey, NotifyTokenError
 from replica.transcript import Message
 
-LOCAL = ("local-dir", "leasefs")
+LOCAL = ("local-dir", "leasefs", "juicefs")
 ANYWHERE = (*LOCAL, "attached")
 
 TOLD_WAIT_S: Final = 25.0  # a job's end to the notice in storage, at most
