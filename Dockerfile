@@ -22,14 +22,20 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
+# The runtime dependencies at the versions the suite passed with, every file checked against its
+# hash (requirements/lock.txt, written by scripts/lock). No dev extras: the image runs the fleet,
+# it does not test it. In a layer of its own, so a change to the code alone reuses it.
+COPY requirements/lock.txt ./requirements/lock.txt
+RUN python -m venv /opt/fleet \
+    && /opt/fleet/bin/pip install --no-cache-dir --require-hashes -r requirements/lock.txt
 COPY pyproject.toml README.md ./
 COPY edge ./edge
 COPY replica ./replica
 COPY fleet_sim ./fleet_sim
 COPY wire ./wire
-# No dev extras: the image runs the fleet, it does not test it.
-RUN python -m venv /opt/fleet \
-    && /opt/fleet/bin/pip install --no-cache-dir . \
+# The project over the lock: --no-deps, so nothing unpinned is installed beside it.
+RUN /opt/fleet/bin/pip install --no-cache-dir --no-deps . \
+    && /opt/fleet/bin/pip check \
     && /opt/fleet/bin/fleet-replica --help >/dev/null \
     && /opt/fleet/bin/fleet-edge --help >/dev/null
 
