@@ -35,14 +35,28 @@ def poll(
         time.sleep(interval_s)
 
 
-def state(pid: int) -> str | None:
-    """The kernel's one-letter state of ``pid`` (R, S, D, T, Z...), None if it is gone."""
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (the first is field 3, the
+    state), None if the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name sits in parentheses and may itself contain ") ".
-    return stat.rpartition(")")[2].split()[0]
+    return stat.rpartition(")")[2].split()
+
+
+def state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (R, S, D, T, Z...), None if it is gone."""
+    fields = stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def started(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (field 22), None if it is gone: with the pid, it names
+    one process, where a pid alone may since have been given to another."""
+    fields = stat_fields(pid)
+    return fields[19] if fields and len(fields) > 19 else None
 
 
 def alive(pid: int) -> bool:
@@ -65,12 +79,8 @@ def children(pid: int) -> list[int]:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rpartition(")")[2].split()
-        if len(fields) > 1 and fields[1] == str(pid) and fields[0] not in ("Z", "X"):
+        fields = stat_fields(int(entry.name))
+        if fields and len(fields) > 1 and fields[1] == str(pid) and fields[0] not in ("Z", "X"):
             found.append(int(entry.name))
     return sorted(found)
 

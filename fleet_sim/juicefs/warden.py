@@ -26,15 +26,6 @@ from fleet_sim.juicefs.errors import JuiceFsError
 _STOP_S = 5.0
 
 
-def _started(pid: int) -> str | None:
-    """The kernel's start time of ``pid`` (field 22 of its stat), None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rpartition(")")[2].split()[19]
-
-
 def _descendants(roots: set[int]) -> set[int]:
     found = set(roots)
     while True:
@@ -45,7 +36,7 @@ def _descendants(roots: set[int]) -> set[int]:
 
 
 def _sweep(pids: dict[int, str], mounts: list[str]) -> None:
-    still = {pid for pid, started in pids.items() if _started(pid) == started}
+    still = {pid for pid, started in pids.items() if procs.started(pid) == started}
     doomed = sorted(_descendants(still))
     procs.send(doomed, signal.SIGCONT)  # a stopped process cannot die of SIGKILL until then
     procs.kill_now(doomed)
@@ -64,7 +55,7 @@ def main(argv: list[str]) -> int:
     for line in sys.stdin:
         verb, _, arg = line.rstrip("\n").partition(" ")
         if verb == "pid":
-            started = _started(int(arg))
+            started = procs.started(int(arg))
             if started is not None:
                 pids[int(arg)] = started
         elif verb == "mount":
