@@ -290,7 +290,8 @@ class Supervisor:
         undo = {"heal": "partition", "unhang": "hang"}
         if action in undo:
             child.storage.discard(undo[action])
-            return f"{action}ed {child.name}'s {substrate.name} mount"
+            was = "cut off" if action == "heal" else "hung"
+            return f"{child.name}'s {substrate.name} mount is no longer {was}"
         child.storage.add(action)
         return f"{action} of {child.name}'s {substrate.name} mount is in force"
 

@@ -159,25 +159,20 @@ class LocalFleet:
             return self.start_edge().proc
         if kind == "page":
             return self.start_page().proc
-        listen = _listen_of(old_url := self._url_of(name))
         if kind == "sandbox":
-            return self.fleet.start_sandbox(listen).proc
-        if kind == "model":
-            self.model = self.fleet.model_server(listen=listen)
+            return self.fleet.start_sandbox(_listen_of(self.fleet.sandbox.url)).proc
+        if kind == "model" and self.model is not None:
+            self.model = self.fleet.model_server(listen=_listen_of(self.model.url))
             return self.model.proc
         if kind == "control-plane":
             self.control_plane = self.fleet.control_plane(
-                SLICES, self.edge.url, self.config.grant_ttl_s, listen=listen
+                SLICES,
+                self.edge.url,
+                self.config.grant_ttl_s,
+                listen=_listen_of(self.control_plane.url),
             )
             return self.control_plane.proc
-        raise KeyError(f"cannot start {name} again ({kind} at {old_url})")
-
-    def _url_of(self, name: str) -> str:
-        if name == "sandbox":
-            return self.fleet.sandbox.url
-        if name == "model" and self.model is not None:
-            return self.model.url
-        return self.control_plane.url
+        raise KeyError(f"cannot start {name} ({kind}) again")
 
     def start_edge(self) -> Service:
         listen, metrics = self.edge_listen
