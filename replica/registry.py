@@ -173,7 +173,14 @@ class Registry:
                 with contextlib.suppress(BaseException):
                     await turn
             live.close_readers()
-            await self.run_io(live.owned.release)
+            try:
+                await self.run_io(live.owned.release)
+            except OSError as exc:
+                # Every commit was synced before it was acknowledged, so a close that fails
+                # (a storage client that lost its metadata engine answers EIO) loses nothing.
+                log.warning(
+                    "closing a session's segment failed (%s); its lock is released", exc.strerror
+                )
         finally:
             live.state = final_state if final_state is LiveState.SUPERSEDED else LiveState.CLOSED
             if self.sessions.get(live.session_id) is live:

@@ -207,10 +207,14 @@ class OwnedSession:
         """Close the segment and drop the lock; safe to call more than once."""
         with self._mutex:
             self._released = True
-            if self._fd >= 0:
-                fd, self._fd = self._fd, -1
-                os.close(fd)
-            self._lock.release()
+            fd, self._fd = self._fd, -1
+            try:
+                if fd >= 0:
+                    os.close(fd)  # may report a failed flush (EIO); the descriptor is gone anyway
+            finally:
+                # Whatever the segment's close said, the lock goes: a lock kept past its
+                # session's close is a session nobody can open until this process dies.
+                self._lock.release()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -271,3 +272,15 @@ async def test_a_superseded_session_is_closed_and_counted(rig: Rig) -> None:
     assert live.state is LiveState.SUPERSEDED and rig.registry.sessions == {}
     assert rig.sample("agent_sessions_superseded_total") == 1.0
     assert lock_is_free(rig.lock_path("a07-s1.fenced"))
+
+
+async def test_a_segment_that_fails_to_close_still_releases_the_lock(rig: Rig) -> None:
+    # A storage client that lost its metadata engine answers close() with EIO; here the
+    # descriptor is closed underneath the store so its close fails the same way (EBADF).
+    live = await rig.registry.place(grant("a07-s1.eio"))
+    os.close(live.owned._fd)
+    await rig.registry.close(live)
+    assert live.state is LiveState.CLOSED and rig.registry.sessions == {}
+    assert lock_is_free(rig.lock_path("a07-s1.eio"))
+    reopened = await rig.registry.place(grant("a07-s1.eio"))
+    assert reopened.owned.epoch == 2
