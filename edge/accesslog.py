@@ -5,10 +5,12 @@ tenants), the status, the request kind, the outcome, the replica that answered, 
 made and the duration. No header value is ever logged: grants, cookies and callback tokens
 (rule E7: a job-end token does not expire, so a copy in a log is a standing credential).
 
-aiohttp itself logs the raw bytes of a request it cannot parse, and those bytes can hold an
-``Authorization`` line, so :class:`RedactCredentials` is installed on the aiohttp and edge
-loggers: it rewrites any message or traceback text that contains a credential-bearing header or
-a ``bjn_v1.`` token before any handler sees it.
+aiohttp quotes the raw bytes of a request it cannot parse in the error it logs, and those bytes
+can hold an ``Authorization`` or ``Cookie`` line, so the edge hands aiohttp a
+:class:`RequestErrors` to log through, which writes such a request as the error's kind, its
+status and the peer, and nothing of its bytes. As a second line,
+:class:`wire.redaction.RedactCredentials` sits on the log handlers and rewrites any message or
+traceback text that holds a credential-bearing header or a ``bjn_v1.`` token.
 
 A serving edge writes its access lines through an :class:`AccessSink` rather than a logger: one
 line per request through ``logging`` (a record, a filter, a formatter, a flush) cost more CPU
@@ -24,83 +26,63 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
+import sys
 import time
-from typing import Final, TextIO
+from typing import Any, TextIO
+
+from aiohttp.http_exceptions import HttpProcessingError
 
 from edge.classify import Kind
 from edge.metrics import Outcome
 from edge.placement import Tally
-from wire.auth import NOTIFY_TOKEN_PREFIX
-from wire.http import GRANT_HEADER
+from wire.redaction import redact, redact_handlers
 
 access_log = logging.getLogger("edge.access")
 
-REDACTED: Final = "[redacted]"
-_TOKEN = re.compile(re.escape(NOTIFY_TOKEN_PREFIX) + r"\S*")
-_CREDENTIAL_FIELD = re.compile(
-    rf"(?i)\b(authorization|proxy-authorization|{re.escape(GRANT_HEADER)}|cookie|set-cookie)"
-    r"(\s*[:=]\s*)[^\r\n]*"
-)
-_BEARER = re.compile(r"(?i)\b(bearer)(\s+)\S+")
-# Loggers whose records may quote request bytes or headers. A logger's filters apply only to
-# records logged on it, not on its children, so each one is named.
-PROTECTED_LOGGERS: Final = (
-    "aiohttp.access",
-    "aiohttp.client",
-    "aiohttp.internal",
-    "aiohttp.server",
-    "aiohttp.web",
-    "aiohttp.websocket",
-    "asyncio",
-    "edge",
-    "edge.access",
-    "edge.metrics",
-    "edge.placement",
-    "edge.proxy",
-    "edge.server",
-    "edge.websocket",
-)
 _MAX_LOGGED_PATH = 256
 
 
-def redact(text: str) -> str:
-    """``text`` with credential header values and callback tokens replaced."""
-    if not text:
-        return text
-    text = _CREDENTIAL_FIELD.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
-    text = _BEARER.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
-    return _TOKEN.sub(NOTIFY_TOKEN_PREFIX + REDACTED, text)
-
-
-class RedactCredentials(logging.Filter):
-    """Rewrites a record in place so no handler can print a credential from it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # a malformed record: let logging report it as usual
-            return True
-        cleaned = redact(message)
-        if cleaned != message:
-            record.msg = cleaned
-            record.args = None
-        if record.exc_info and not record.exc_text:
-            record.exc_text = logging.Formatter().formatException(record.exc_info)
-        if record.exc_text:
-            record.exc_text = redact(record.exc_text)
-        return True
-
-
-_FILTER = RedactCredentials()
-
-
 def install_redaction() -> None:
-    """Attach the redaction filter to every logger that could quote request bytes (idempotent)."""
-    for name in PROTECTED_LOGGERS:
-        logger = logging.getLogger(name)
-        if _FILTER not in logger.filters:
-            logger.addFilter(_FILTER)
+    """The credential filter on every handler of the root logger (idempotent)."""
+    redact_handlers()
+
+
+class RequestErrors:
+    """What aiohttp's request handler logs through (its ``logger``): a request it could not
+    parse is written as the error's kind, its status and the peer, never as the bytes aiohttp
+    quotes in the error (a header line that failed to parse may be an ``Authorization`` or a
+    ``Cookie``). Anything else goes to ``aiohttp.server`` as aiohttp wrote it."""
+
+    def __init__(self, logger: logging.Logger | None = None) -> None:
+        self._logger = logger or logging.getLogger("aiohttp.server")
+
+    def _log(self, level: int, msg: str, args: tuple[Any, ...], exc_info: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else None
+        if exc is None and exc_info is True:
+            exc = sys.exc_info()[1]
+        if isinstance(exc, HttpProcessingError):
+            peer = next((str(a) for a in args if isinstance(a, str)), "-")
+            self._logger.info(
+                "bad request from %s: %s (%d)", _loggable(peer), type(exc).__name__, exc.code
+            )
+            return
+        self._logger.log(level, msg, *args, exc_info=exc_info)
+
+    def debug(self, msg: str, *args: Any, exc_info: Any = None, **_: Any) -> None:
+        if self._logger.isEnabledFor(logging.DEBUG):
+            self._log(logging.DEBUG, msg, args, exc_info)
+
+    def info(self, msg: str, *args: Any, exc_info: Any = None, **_: Any) -> None:
+        self._log(logging.INFO, msg, args, exc_info)
+
+    def warning(self, msg: str, *args: Any, exc_info: Any = None, **_: Any) -> None:
+        self._log(logging.WARNING, msg, args, exc_info)
+
+    def error(self, msg: str, *args: Any, exc_info: Any = None, **_: Any) -> None:
+        self._log(logging.ERROR, msg, args, exc_info)
+
+    def exception(self, msg: str, *args: Any, exc_info: Any = True, **_: Any) -> None:
+        self._log(logging.ERROR, msg, args, exc_info)
 
 
 class AccessRecord:

@@ -37,13 +37,13 @@ import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Final, cast
 
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
 
 from edge import accesslog
-from edge.accesslog import AccessRecord, install_redaction
+from edge.accesslog import AccessRecord, RequestErrors, install_redaction
 from edge.callbacks import CallbackLimits, forward_callback
 from edge.classify import Kind, Local, Probe, Refused, Routed, classify
 from edge.config import EdgeConfig, EdgeOptions, ReplicaConfig, SliceConfig, load_config
@@ -176,6 +176,8 @@ class Edge:
             self._handle,
             handler_cancellation=True,
             access_log=None,
+            # aiohttp types it as a Logger; it is called only as one (see RequestErrors).
+            logger=cast(logging.Logger, RequestErrors()),
             max_line_size=options.max_header_bytes,
             max_field_size=options.max_header_bytes,
         )

@@ -216,6 +216,12 @@ def _register_up(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     parser.add_argument("--drain-grace", type=float, default=30.0, metavar="S")
     parser.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="the edge's and the replicas' log verbosity (default: info)",
+    )
+    parser.add_argument(
         "--web-listen",
         metavar="HOST:PORT",
         help="the session page's address, loopback only (default: the edge's port + 1; "
@@ -244,6 +250,7 @@ def _run_up(args: argparse.Namespace) -> int:
         model=args.model,
         drain_grace_s=args.drain_grace,
         web_listen=web,
+        log_level=args.log_level,
     )
     if args.substrate == "juicefs":
         from fleet_sim.juicefs.binaries import juicefs_binary, redis_binary

@@ -270,12 +270,12 @@ class Fleet:
     def edge(
         self,
         config: Path,
-        *,
+        *extra: str,
         listen: str = "127.0.0.1:0",
         metrics: str | None = None,
         name: str = "edge",
     ) -> Service:
-        argv = _python("edge", "serve", "--config", str(config), "--listen", listen)
+        argv = _python("edge", "serve", "--config", str(config), "--listen", listen, *extra)
         if metrics is not None:
             argv += ["--metrics-listen", metrics]
         proc = self._spawn(name, argv)

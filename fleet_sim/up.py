@@ -65,6 +65,7 @@ class UpConfig:
     grant_ttl_s: int = GRANT_TTL_S  # how long the control plane's grants are valid
     web_listen: str | None = None  # where the session page is served; None: no page
     state_file: Path | None = None  # where `up` keeps the state (the page's fleet view reads it)
+    log_level: str = "info"  # the edge's and the replicas' --log-level
 
 
 ShardPath = Callable[[str, str], Path]  # (replica name, shard) -> where that replica mounts it
@@ -176,7 +177,13 @@ class LocalFleet:
 
     def start_edge(self) -> Service:
         listen, metrics = self.edge_listen
-        self.edge = self.fleet.edge(self.write_edge_config(), listen=listen, metrics=metrics)
+        self.edge = self.fleet.edge(
+            self.write_edge_config(),
+            "--log-level",
+            self.config.log_level,
+            listen=listen,
+            metrics=metrics,
+        )
         return self.edge
 
     def start_page(self) -> Service:
@@ -238,6 +245,8 @@ class LocalFleet:
             str(self.config.drain_grace_s),
             "--session-idle-timeout",
             str(self.config.idle_timeout_s),
+            "--log-level",
+            self.config.log_level,
             *self.config.extra_replica_args,
             notify_origin=self.edge.url,
             listen=f"127.0.0.1:{port}",

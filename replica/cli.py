@@ -26,6 +26,7 @@ from replica.keyfiles import read_key_file
 from replica.sealing import RecordSealer
 from wire.errors import InvalidName
 from wire.names import parse_session_id, parse_tenant
+from wire.redaction import redact_handlers
 
 
 class _Parser(argparse.ArgumentParser):
@@ -179,6 +180,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    redact_handlers()  # a second line: the server logs no request bytes to begin with
 
     def ready(bound: Bound) -> None:
         print(

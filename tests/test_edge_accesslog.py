@@ -11,14 +11,13 @@ import pytest
 from edge.accesslog import (
     AccessRecord,
     AccessSink,
-    RedactCredentials,
     install_redaction,
-    redact,
     use_sink,
     write,
 )
 from edge.classify import Kind
 from edge.metrics import Outcome
+from wire.redaction import RedactCredentials, redact, redact_handlers
 
 
 @pytest.mark.parametrize(
@@ -153,3 +152,20 @@ def test_a_broken_stream_does_not_fail_the_request(caplog: pytest.LogCaptureFixt
             write(delivered(), 0.001)
     finally:
         use_sink(None)
+
+
+def test_the_filter_on_a_handler_covers_every_logger_below_it() -> None:
+    # A filter on a logger misses its children's records; on the handler it sees them all.
+    stream = io.StringIO()
+    top = logging.getLogger("hygiene-test")
+    top.propagate = False
+    handler = logging.StreamHandler(stream)
+    top.addHandler(handler)
+    try:
+        redact_handlers(top)
+        redact_handlers(top)  # idempotent
+        assert len(handler.filters) == 1
+        logging.getLogger("hygiene-test.lane.deeper").warning("Cookie: sid=hunter2")
+    finally:
+        top.removeHandler(handler)
+    assert "hunter2" not in stream.getvalue() and "[redacted]" in stream.getvalue()
