@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -186,6 +187,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     soak_parser.set_defaults(handler=_soak)
 
 
+def _stop_on_sigterm() -> None:
+    """A run stopped with SIGTERM (a CI timeout, ``kill``) tears its fleet down as Ctrl-C does:
+    the exit unwinds through the scenario's ``finally``, which stops the processes and unmounts
+    the substrate, instead of leaving them running with nobody to stop them."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def _list(args: argparse.Namespace) -> int:
     for name, item in sorted(CATALOGUE.items()):
         print(
@@ -202,6 +214,7 @@ def _report(run_dir: Path, results: list[dict[str, object]]) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    _stop_on_sigterm()
     item = CATALOGUE[args.scenario]
     if args.substrate not in item.substrates:
         print(
@@ -221,6 +234,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _matrix(args: argparse.Namespace) -> int:
+    _stop_on_sigterm()
     target = _attached_target(args, "matrix")
     if isinstance(target, int):
         return target
@@ -243,6 +257,7 @@ def _matrix(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
+    _stop_on_sigterm()
     item = Scenario(
         "soak",
         ("soak-completes",),
