@@ -207,7 +207,7 @@ def edge_answer(status: int, text: str, *, retry_after: bool = False, close: boo
 
 Serve = Callable[[FastRequest, Routed, bytes, "FastConnection"], Coroutine[Any, Any, None]]
 # Takes a command without a task when it can (see edge.express): True if it did.
-Express = Callable[[FastRequest, Routed, bytes, "FastConnection"], bool]
+TryExpress = Callable[[FastRequest, Routed, bytes, "FastConnection"], bool]
 
 
 class Job(Protocol):
@@ -225,7 +225,7 @@ class FastLane:
         serve: Serve,
         fallback: Callable[[], asyncio.Protocol],
         options: Callable[[], EdgeOptions],
-        express: Express,
+        express: TryExpress,
     ) -> None:
         self.serve = serve
         self.express = express
@@ -464,7 +464,7 @@ class FastConnection(asyncio.Protocol):
             protocol.data_received(data)
 
 
-async def relay(
+async def relay_to_connection(
     conn: FastConnection,
     response: UpstreamResponse,
     options: EdgeOptions,

@@ -29,12 +29,12 @@ from edge.retry import (
     Deliver,
     GiveUp,
     Jitter,
-    Outcome,
+    ReplicaAnswer,
     RetryPlan,
     RetryPolicy,
 )
 
-__all__ = ["PlacementFailed", "Refusal", "Tally", "place"]
+__all__ = ["FailedAttempt", "PlacementFailed", "Tally", "place"]
 
 log = logging.getLogger("edge.placement")
 
@@ -42,7 +42,7 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
-class Refusal:
+class FailedAttempt:
     """An attempt that did not produce an answer to deliver; ``note`` is for logs only."""
 
     result: AttemptResult
@@ -50,11 +50,11 @@ class Refusal:
     unreachable: bool = False
 
     @classmethod
-    def refused(cls, status: int, retry_after_s: float | None, note: str) -> Refusal:
+    def refused(cls, status: int, retry_after_s: float | None, note: str) -> FailedAttempt:
         return cls(AttemptResult.from_status(status, retry_after_s), note)
 
     @classmethod
-    def unreached(cls, note: str) -> Refusal:
+    def unreached(cls, note: str) -> FailedAttempt:
         return cls(AttemptResult.unreachable(), note, unreachable=True)
 
 
@@ -85,12 +85,12 @@ async def place(
     slice_config: SliceConfig,
     session_id: str,
     policy: RetryPolicy,
-    attempt: Callable[[ReplicaConfig], Awaitable[T | Refusal]],
+    attempt: Callable[[ReplicaConfig], Awaitable[T | FailedAttempt]],
     tally: Tally,
     *,
     started: float,
     owner: ReplicaConfig | None = None,
-    first: T | Refusal | None = None,
+    first: T | FailedAttempt | None = None,
     clock: Callable[[], float] | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     jitter: Jitter = random.random,
@@ -107,7 +107,7 @@ async def place(
     tally.attempts = 1
     tally.replica = owner.name
     answer = first if first is not None else await attempt(owner)
-    if not isinstance(answer, Refusal):
+    if not isinstance(answer, FailedAttempt):
         return answer
     now = clock if clock is not None else asyncio.get_running_loop().time
     plan = RetryPlan(slice_config.ring.walk(session_id), policy)
@@ -128,14 +128,14 @@ async def place(
         replica = slice_config.replica(decision.target)
         tally.replica = replica.name
         answer = await attempt(replica)
-        if not isinstance(answer, Refusal):
+        if not isinstance(answer, FailedAttempt):
             return answer
 
 
-def _note_refusal(slice_config: SliceConfig, tally: Tally, refusal: Refusal) -> None:
+def _note_refusal(slice_config: SliceConfig, tally: Tally, refusal: FailedAttempt) -> None:
     tally.last_note = f"{tally.replica}: {refusal.note}"
     outcome = refusal.result.outcome
-    if outcome is Outcome.MISDIRECTED:
+    if outcome is ReplicaAnswer.MISDIRECTED:
         tally.misdirected += 1
         # Always a configuration error (a shard routed to a slice that does not mount it).
         log.warning(
@@ -144,7 +144,7 @@ def _note_refusal(slice_config: SliceConfig, tally: Tally, refusal: Refusal) -> 
             tally.replica,
             slice_config.name,
         )
-    elif outcome is Outcome.UNAVAILABLE:
+    elif outcome is ReplicaAnswer.UNAVAILABLE:
         if refusal.unreachable:
             tally.unreachable += 1
         log.debug("replica %s refused: %s", tally.replica, refusal.note)

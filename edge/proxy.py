@@ -48,7 +48,7 @@ from edge.headers import (
     response_headers,
 )
 from edge.metrics import EdgeMetrics, Outcome
-from edge.placement import PlacementFailed, Refusal, Tally, place
+from edge.placement import FailedAttempt, PlacementFailed, Tally, place
 from edge.retry import GiveUpReason, RetryPolicy, parse_retry_after
 from edge.upstream import UpstreamPool, UpstreamResponse
 from wire.http import MISDIRECTED, RETRY_LATER, retry_after_headers
@@ -144,7 +144,7 @@ def upstream_request(
 
 async def placement_answer(
     response: UpstreamResponse, replica: ReplicaConfig
-) -> UpstreamResponse | Refusal:
+) -> UpstreamResponse | FailedAttempt:
     """A replica's answer as the retry planner takes it: a refusal (``REFUSALS``) or the
     response itself."""
     if response.status in REFUSALS:
@@ -152,7 +152,7 @@ async def placement_answer(
     return response
 
 
-async def _refusal(response: UpstreamResponse, replica: ReplicaConfig) -> Refusal:
+async def _refusal(response: UpstreamResponse, replica: ReplicaConfig) -> FailedAttempt:
     """Turn a 503/421 into a planner input, keeping the start of its reason for the log."""
     status = response.status
     retry_after = None
@@ -170,7 +170,7 @@ async def _refusal(response: UpstreamResponse, replica: ReplicaConfig) -> Refusa
             body = b""
     response.release()
     reason = body[:REFUSAL_NOTE_BYTES].decode("utf-8", "replace").strip().replace("\n", " ")
-    return Refusal.refused(status, retry_after, f"{status} {reason}".rstrip())
+    return FailedAttempt.refused(status, retry_after, f"{status} {reason}".rstrip())
 
 
 class HttpProxy:
@@ -182,7 +182,7 @@ class HttpProxy:
 
     async def attempt(
         self, replica: ReplicaConfig, data: bytes, options: EdgeOptions, head_only: bool
-    ) -> UpstreamResponse | Refusal:
+    ) -> UpstreamResponse | FailedAttempt:
         try:
             response = await self.pool.request(
                 replica.url,
@@ -194,7 +194,7 @@ class HttpProxy:
         except UpstreamUnavailable as exc:
             # The message names the replica's address: for the log, not for the client.
             log.debug("%s", exc)
-            return Refusal.unreached("unreachable")
+            return FailedAttempt.unreached("unreachable")
         return await placement_answer(response, replica)
 
     async def place(
@@ -210,7 +210,7 @@ class HttpProxy:
         owner: ReplicaConfig,
         first: UpstreamResponse | None = None,
     ) -> UpstreamResponse:
-        async def attempt(replica: ReplicaConfig) -> UpstreamResponse | Refusal:
+        async def attempt(replica: ReplicaConfig) -> UpstreamResponse | FailedAttempt:
             return await self.attempt(replica, data, options, head_only)
 
         answer = None if first is None else await placement_answer(first, owner)
@@ -258,7 +258,7 @@ class HttpProxy:
         )
         if isinstance(placed, EdgeAnswer):
             return placed.response(), placed.outcome
-        return await relay(request, placed, kind, options, self.metrics, record)
+        return await relay_response(request, placed, kind, options, self.metrics, record)
 
     async def placed(
         self,
@@ -353,7 +353,7 @@ async def whole_body(
         return EdgeAnswer(502, "the replica's answer broke off", Outcome.UPSTREAM_ERROR)
 
 
-async def relay(
+async def relay_response(
     request: BaseRequest,
     response: UpstreamResponse,
     kind: Kind,

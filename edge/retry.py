@@ -60,7 +60,10 @@ def no_jitter() -> float:
     return 0.0
 
 
-class Outcome(enum.StrEnum):
+class ReplicaAnswer(enum.StrEnum):
+    """What a replica's answer to one attempt means for the plan (not how the request ended:
+    that is ``edge.metrics.Outcome``)."""
+
     UNAVAILABLE = enum.auto()
     MISDIRECTED = enum.auto()
     PASS_THROUGH = enum.auto()
@@ -81,21 +84,21 @@ class GiveUpReason(enum.StrEnum):
 class AttemptResult:
     """What the last attempt got back, already classified by the caller."""
 
-    outcome: Outcome
+    outcome: ReplicaAnswer
     retry_after_s: float | None = None
 
     @classmethod
     def from_status(cls, status: int, retry_after_s: float | None = None) -> AttemptResult:
         if status == RETRY_LATER:
-            return cls(Outcome.UNAVAILABLE, retry_after_s)
+            return cls(ReplicaAnswer.UNAVAILABLE, retry_after_s)
         if status == MISDIRECTED:
-            return cls(Outcome.MISDIRECTED)
-        return cls(Outcome.PASS_THROUGH)
+            return cls(ReplicaAnswer.MISDIRECTED)
+        return cls(ReplicaAnswer.PASS_THROUGH)
 
     @classmethod
     def unreachable(cls) -> AttemptResult:
         """Connection refused or reset before any response: the same as a 503 without a hint."""
-        return cls(Outcome.UNAVAILABLE)
+        return cls(ReplicaAnswer.UNAVAILABLE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,9 +228,9 @@ class RetryPlan:
     ) -> tuple[RetryPlan, Decision]:
         """Decide what follows ``result``, observed ``elapsed_s`` after the request began."""
         _check_nonneg("elapsed_s", elapsed_s)
-        if result.outcome is Outcome.PASS_THROUGH:
+        if result.outcome is ReplicaAnswer.PASS_THROUGH:
             return self, Deliver()
-        if result.outcome is Outcome.MISDIRECTED:
+        if result.outcome is ReplicaAnswer.MISDIRECTED:
             return self._after_misdirected(elapsed_s, jitter)
         return self._after_unavailable(result, elapsed_s, jitter)
 

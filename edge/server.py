@@ -12,7 +12,7 @@ Each handler runs with ``handler_cancellation`` on, and the fast lane cancels li
 client that goes away cancels its request wherever it is: in placement (no more retries; the
 replica connection is aborted), in a stream, or in a WebSocket relay.
 
-Lifecycle: ``STARTING`` -> ``SERVING`` -> ``DRAINING`` -> ``STOPPED``. Draining goes in ordered
+States: ``STARTING`` -> ``SERVING`` -> ``DRAINING`` -> ``STOPPED``. Draining goes in ordered
 stages, each bounded:
 
 1. ``/readyz`` answers 503 and the listening socket closes (no new connections);
@@ -49,8 +49,7 @@ from edge.classify import Kind, Local, Probe, Refused, Routed, classify
 from edge.config import EdgeConfig, EdgeOptions, ReplicaConfig, SliceConfig, load_config
 from edge.errors import ConfigError, RoutingError
 from edge.express import Express
-from edge.fastpath import FastConnection, FastLane, FastRequest
-from edge.fastpath import relay as fast_relay
+from edge.fastpath import FastConnection, FastLane, FastRequest, relay_to_connection
 from edge.metrics import EdgeMetrics, Outcome, start_metrics_server
 from edge.proxy import EdgeAnswer, HttpProxy, answer
 from edge.retry import RetryPolicy
@@ -64,7 +63,7 @@ log = logging.getLogger("edge.server")
 CANCEL_WAIT_S: Final = 10.0
 
 
-class Lifecycle(enum.Enum):
+class ServerState(enum.Enum):
     STARTING = enum.auto()
     SERVING = enum.auto()
     DRAINING = enum.auto()
@@ -117,7 +116,7 @@ class Edge:
     def __init__(self, config: EdgeConfig, metrics: EdgeMetrics | None = None) -> None:
         self.runtime = Runtime.of(config)
         self.metrics = metrics if metrics is not None else EdgeMetrics()
-        self.state = Lifecycle.STARTING
+        self.state = ServerState.STARTING
         self.pool = UpstreamPool()
         self._http = HttpProxy(self.pool, self.metrics)
         self._ws = WebSocketProxy(self.metrics)
@@ -203,7 +202,7 @@ class Edge:
         self._runner = runner
         self.host = host
         self.port = self._listener.sockets[0].getsockname()[1]
-        self.state = Lifecycle.SERVING
+        self.state = ServerState.SERVING
 
     def reload(self, config: EdgeConfig) -> None:
         """Serve new requests with ``config``; requests in progress keep theirs."""
@@ -226,9 +225,9 @@ class Edge:
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Stop accepting, let work in progress finish within the grace, then stop."""
-        if self.state in (Lifecycle.DRAINING, Lifecycle.STOPPED):
+        if self.state in (ServerState.DRAINING, ServerState.STOPPED):
             return
-        self.state = Lifecycle.DRAINING
+        self.state = ServerState.DRAINING
         grace = self.runtime.config.options.drain_grace_s if grace_s is None else grace_s
         runner = self._runner
         if self._listener is not None:
@@ -262,7 +261,7 @@ class Edge:
             await self._metrics_runner.cleanup()
         await self._ws.close()
         await self.pool.close()
-        self.state = Lifecycle.STOPPED
+        self.state = ServerState.STOPPED
         log.info("edge stopped")
 
     # --- requests ------------------------------------------------------------------------------
@@ -419,7 +418,7 @@ class Edge:
         if isinstance(placed, EdgeAnswer):
             conn.answer(placed.status, placed.text, retry_after=placed.retry_after)
             return placed.status, placed.outcome
-        return await fast_relay(conn, placed, options, record)
+        return await relay_to_connection(conn, placed, options, record)
 
     async def _command(
         self,
@@ -459,7 +458,7 @@ class Edge:
     def _probe(self, probe: Probe) -> web.Response:
         if probe is Probe.LIVEZ:
             return web.Response(text="ok\n")
-        if self.state is Lifecycle.SERVING:
+        if self.state is ServerState.SERVING:
             return web.Response(text="ready\n")
         return web.Response(status=503, text=f"not ready: {self.state.name.lower()}\n")
 

@@ -42,7 +42,7 @@ from edge.headers import (
     websocket_protocols,
 )
 from edge.metrics import EdgeMetrics, Outcome
-from edge.placement import PlacementFailed, Refusal, place
+from edge.placement import FailedAttempt, PlacementFailed, place
 from edge.proxy import REFUSALS, answer, placement_failed
 from edge.retry import RetryPolicy, parse_retry_after
 
@@ -170,7 +170,7 @@ async def _shielded(closing: Awaitable[None]) -> None:
     await asyncio.shield(task)
 
 
-async def relay(client: ClientSocket, upstream: UpstreamSocket) -> None:
+async def relay_frames(client: ClientSocket, upstream: UpstreamSocket) -> None:
     """Run both pumps; the first to end decides how the other side is closed."""
     up = asyncio.create_task(pump(client, upstream), name="ws client->replica")
     down = asyncio.create_task(pump(upstream, client), name="ws replica->client")
@@ -235,7 +235,7 @@ class WebSocketProxy:
         headers: list[tuple[str, str]],
         protocols: tuple[str, ...],
         options: EdgeOptions,
-    ) -> UpstreamSocket | HandshakeAnswer | Refusal:
+    ) -> UpstreamSocket | HandshakeAnswer | FailedAttempt:
         url = URL(replica.url + url_path, encoded=True)
         try:
             handshake_s = options.connect_timeout_s + options.upstream_header_timeout_s
@@ -258,7 +258,7 @@ class WebSocketProxy:
                     if name.lower() == RETRY_AFTER_FIELD:
                         retry_after = parse_retry_after(value.decode("latin-1"))
                 note = refused.body[:512].decode("utf-8", "replace").strip().replace("\n", " ")
-                return Refusal.refused(status, retry_after, f"{status} {note}".rstrip())
+                return FailedAttempt.refused(status, retry_after, f"{status} {note}".rstrip())
             return HandshakeAnswer(status, refused.headers, refused.body)
         except aiohttp.WSServerHandshakeError as exc:
             raise UpstreamBadResponse(
@@ -270,7 +270,7 @@ class WebSocketProxy:
             ) from None
         except (aiohttp.ClientConnectionError, OSError) as exc:
             log.debug("%s is unreachable: %s", replica.url, type(exc).__name__)
-            return Refusal.unreached("unreachable")
+            return FailedAttempt.unreached("unreachable")
 
     async def forward(
         self,
@@ -290,7 +290,7 @@ class WebSocketProxy:
 
         async def attempt(
             replica: ReplicaConfig,
-        ) -> UpstreamSocket | HandshakeAnswer | Refusal:
+        ) -> UpstreamSocket | HandshakeAnswer | FailedAttempt:
             return await self._attempt(replica, target, fields, offered, options)
 
         try:
@@ -344,7 +344,7 @@ class WebSocketProxy:
         record.answered(101)
         gauge.inc()
         try:
-            await relay(client, upstream)
+            await relay_frames(client, upstream)
         finally:
             gauge.dec()
         return client, Outcome.DELIVERED

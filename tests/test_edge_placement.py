@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from edge.config import ReplicaConfig, SliceConfig
-from edge.placement import PlacementFailed, Refusal, Tally, place
+from edge.placement import FailedAttempt, PlacementFailed, Tally, place
 from edge.retry import GiveUpReason, RetryPolicy
 from tests.edge_fakes import session_with_walk
 
@@ -38,22 +38,22 @@ class Clock:
 class Replicas:
     """Scripted answers per replica: a list consumed in order, the last one repeating."""
 
-    def __init__(self, **answers: list[str | Refusal]) -> None:
+    def __init__(self, **answers: list[str | FailedAttempt]) -> None:
         self.answers = answers
         self.asked: list[str] = []
 
-    async def __call__(self, replica: ReplicaConfig) -> str | Refusal:
+    async def __call__(self, replica: ReplicaConfig) -> str | FailedAttempt:
         self.asked.append(replica.name)
         script = self.answers[replica.name]
         return script.pop(0) if len(script) > 1 else script[0]
 
 
-def busy(retry_after: float | None = None) -> Refusal:
-    return Refusal.refused(503, retry_after, "503 held elsewhere")
+def busy(retry_after: float | None = None) -> FailedAttempt:
+    return FailedAttempt.refused(503, retry_after, "503 held elsewhere")
 
 
-MISDIRECTED = Refusal.refused(421, None, "421 not mounted")
-DOWN = Refusal.unreached("unreachable")
+MISDIRECTED = FailedAttempt.refused(421, None, "421 not mounted")
+DOWN = FailedAttempt.unreached("unreachable")
 
 
 async def run(

@@ -8,7 +8,7 @@ import pytest
 from aiohttp import web
 
 from edge.ring import Ring
-from edge.server import Lifecycle
+from edge.server import ServerState
 from tests.edge_fakes import (
     FAST,
     FakeReplica,
@@ -40,10 +40,10 @@ async def test_probes_answer_from_the_edge_itself() -> None:
     async with fleet(r1) as edge:
         assert await get(edge.url + "/livez") == (200, b"ok\n")
         assert await get(edge.url + "/readyz") == (200, b"ready\n")
-        edge.state = Lifecycle.DRAINING
+        edge.state = ServerState.DRAINING
         assert (await get(edge.url + "/readyz"))[0] == 503
         assert (await get(edge.url + "/livez"))[0] == 200
-        edge.state = Lifecycle.SERVING
+        edge.state = ServerState.SERVING
     assert not r1.seen
 
 
@@ -146,7 +146,7 @@ async def test_drain_lets_work_in_progress_finish_and_refuses_new_connections() 
             await asyncio.sleep(0.02)
         drained = asyncio.create_task(edge.drain(5.0))
         await asyncio.sleep(0.05)
-        assert edge.state is Lifecycle.DRAINING
+        assert edge.state is ServerState.DRAINING
         with pytest.raises(aiohttp.ClientConnectionError):
             await get(edge.url + "/livez")
         assert await in_flight == (200, b"finished")

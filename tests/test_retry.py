@@ -16,7 +16,7 @@ from edge.retry import (
     GiveUp,
     GiveUpReason,
     Jitter,
-    Outcome,
+    ReplicaAnswer,
     RetryPlan,
     RetryPolicy,
     no_jitter,
@@ -24,10 +24,10 @@ from edge.retry import (
 )
 
 WALK = ("r1", "r2", "r3")
-BUSY = AttemptResult(Outcome.UNAVAILABLE, 1.0)  # a replica's usual 503 + Retry-After: 1
+BUSY = AttemptResult(ReplicaAnswer.UNAVAILABLE, 1.0)  # a replica's usual 503 + Retry-After: 1
 REFUSED = AttemptResult.unreachable()
-WRONG_SHARD = AttemptResult(Outcome.MISDIRECTED)
-OK = AttemptResult(Outcome.PASS_THROUGH)
+WRONG_SHARD = AttemptResult(ReplicaAnswer.MISDIRECTED)
+OK = AttemptResult(ReplicaAnswer.PASS_THROUGH)
 # Dyadic latency, so the fake clock's sums are exact and "exactly at the budget" is checkable.
 LATENCY = 0.0625
 
@@ -87,7 +87,9 @@ def test_busy_then_free_is_retried_in_place() -> None:
     ("retry_after", "expected"), [(0.0, 0.0), (1.0, 1.0), (1.5, 1.5), (2.0, 2.0), (30.0, 2.0)]
 )
 def test_retry_after_is_honoured_and_capped(retry_after: float, expected: float) -> None:
-    plan, decision = RetryPlan(WALK).next(AttemptResult(Outcome.UNAVAILABLE, retry_after), 0.1)
+    plan, decision = RetryPlan(WALK).next(
+        AttemptResult(ReplicaAnswer.UNAVAILABLE, retry_after), 0.1
+    )
     assert decision == Attempt("r1", expected, AttemptKind.RETRY)
     assert plan.retries == 1
 
@@ -139,7 +141,7 @@ def test_rounds_start_again_from_the_owner() -> None:
 def test_a_new_round_never_starts_at_once() -> None:
     # Retry-After: 0 is honoured on the owner, but cannot turn the walk into a busy loop.
     policy = RetryPolicy(budget_s=3.0, min_round_delay_s=0.5)
-    run = drive(RetryPlan(WALK, policy), always(AttemptResult(Outcome.UNAVAILABLE, 0.0)))
+    run = drive(RetryPlan(WALK, policy), always(AttemptResult(ReplicaAnswer.UNAVAILABLE, 0.0)))
     assert run.delays[:6] == [0.0, 0.0, 0.0, 0.0, 0.0, 0.5]
     owner_rounds = [i for i, (_, target, _) in enumerate(run.starts) if i > 0 and target == "r1"]
     # Each round's pause is the floor, except the last one, which the budget may cut.
@@ -221,7 +223,7 @@ def test_misdirected_can_give_up_at_once() -> None:
 @pytest.mark.parametrize("status", [101, 200, 202, 400, 401, 403, 404, 409, 410, 429, 500, 502])
 def test_other_statuses_are_delivered_at_once(status: int) -> None:
     result = AttemptResult.from_status(status)
-    assert result.outcome is Outcome.PASS_THROUGH
+    assert result.outcome is ReplicaAnswer.PASS_THROUGH
     run = drive(RetryPlan(WALK), always(result))
     assert run.final == Deliver() and run.targets == ["r1"]
     # Even after a walk, and even past the budget: the answer is already in hand.
@@ -232,7 +234,7 @@ def test_other_statuses_are_delivered_at_once(status: int) -> None:
 def test_status_classification() -> None:
     assert AttemptResult.from_status(503, 1.0) == BUSY
     assert AttemptResult.from_status(421) == WRONG_SHARD
-    assert AttemptResult.unreachable() == AttemptResult(Outcome.UNAVAILABLE, None)
+    assert AttemptResult.unreachable() == AttemptResult(ReplicaAnswer.UNAVAILABLE, None)
 
 
 def test_jitter_only_stretches_and_is_bounded() -> None:
