@@ -9,18 +9,15 @@ import time
 
 import pytest
 
-from fleet_sim.sim.scenarios_jobs import (
-    Backend,
+from fleet_sim.sim.job_queries import (
     Telling,
-    callback_request,
-    chunked,
     committed_by,
     job_notices,
     job_reads,
-    request_bytes,
-    send_raw,
     told_exactly_once,
 )
+from fleet_sim.sim.rawhttp import callback_request, chunked, request_bytes, send_raw
+from fleet_sim.sim.standin import Backend
 from replica.history import History, SegmentSummary
 from replica.transcript import Message, Transcript
 

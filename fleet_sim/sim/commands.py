@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+import fleet_sim.sim.scenarios_callbacks  # registers the callback (E1-E7) scenarios
 import fleet_sim.sim.scenarios_jobs  # registers the job-end scenarios
 import fleet_sim.sim.scenarios_storage  # noqa: F401 - frozen hosts, metadata, stale clients
 from fleet_sim.control_plane import GRANT_TTL_S, grant_ttl_arg
