@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-Outcome = Literal["ok", "fail", "unknown"]
+OpOutcome = Literal["ok", "fail", "unknown"]  # how a client operation ended
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +27,7 @@ class Op:
     token: str  # unique per operation; prompts carry it in their text
     started: float
     ended: float
-    outcome: Outcome
+    outcome: OpOutcome
     client: str = "ws"  # ws, sse, post
     detail: str = ""
     figures: dict[str, Any] = field(default_factory=dict)
