@@ -24,6 +24,7 @@ method and the path, pass through :func:`redact` first.
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import logging
 import sys
@@ -85,14 +86,23 @@ class RequestErrors:
         self._log(logging.ERROR, msg, args, exc_info)
 
 
+class Lane(enum.StrEnum):
+    """Which of the edge's lanes carried a request (see ARCHITECTURE.md)."""
+
+    FAST = enum.auto()  # a command served off the socket by edge.fastpath, in a task
+    EXPRESS = enum.auto()  # a command followed by callbacks alone (edge.express)
+    AIOHTTP = enum.auto()  # everything else, on aiohttp's server
+
+
 class AccessRecord:
     """Filled in while a request is handled; written once when it ends."""
 
-    __slots__ = ("kind", "method", "outcome", "path", "status", "tally")
+    __slots__ = ("kind", "lane", "method", "outcome", "path", "status", "tally")
 
-    def __init__(self, method: str, path: str) -> None:
+    def __init__(self, method: str, path: str, lane: Lane = Lane.AIOHTTP) -> None:
         self.method = _loggable(method)
         self.path = _loggable(path)
+        self.lane = lane
         self.kind = Kind.OTHER
         self.outcome = Outcome.REJECTED
         self.status = 0
@@ -108,7 +118,7 @@ class AccessRecord:
         replica = tally.replica or "-"
         attempts = tally.attempts
         return (
-            f"{self.method} {self.path} {self.status} kind={self.kind} "
+            f"{self.method} {self.path} {self.status} kind={self.kind} lane={self.lane} "
             f"outcome={self.outcome} replica={replica} attempts={attempts} "
             f"ms={duration_s * 1000:.1f}"
         )

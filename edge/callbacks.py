@@ -19,25 +19,19 @@ A callback is routed like any request for its session id (E3), but:
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Final
 
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
 
-from edge.accesslog import AccessRecord
+from edge.answers import PLACING_ERRORS, answer, callback_unanswered, placing_failed
 from edge.classify import Kind
-from edge.config import EdgeOptions, SliceConfig
-from edge.errors import UpstreamBadResponse, UpstreamTimeout
+from edge.config import EdgeOptions
+from edge.exchange import Exchange
 from edge.headers import RawHeaders, response_headers
 from edge.metrics import EdgeMetrics, LimitScope, Outcome
-from edge.placement import PlacementFailed
-from edge.proxy import HttpProxy, answer, placement_failed, read_body, upstream_request
+from edge.proxy import HttpProxy, read_body, upstream_request
 from edge.ratelimit import TokenBucketLimiter, WindowLimiter, WindowRule
-from edge.retry import RetryPolicy
-from wire.http import RETRY_LATER
-
-log = logging.getLogger("edge.proxy")
 
 # A callback answer is a status and a short reason; anything longer is not one.
 CALLBACK_ANSWER_LIMIT: Final = 64 * 1024
@@ -72,17 +66,11 @@ async def forward_callback(
     request: BaseRequest,
     target: str,
     headers: RawHeaders,
-    slice_config: SliceConfig,
-    session_id: str,
-    options: EdgeOptions,
-    policy: RetryPolicy,
-    record: AccessRecord,
-    started: float,
+    exchange: Exchange,
     metrics: EdgeMetrics,
 ) -> tuple[web.StreamResponse, Outcome]:
     loop = asyncio.get_running_loop()
-    tally = record.tally
-    refused_by = limits.check(session_id, request.remote or "-", loop.time())
+    refused_by = limits.check(exchange.session_id, request.remote or "-", loop.time())
     if refused_by is not None:
         metrics.rate_limited[refused_by].inc()
         text = (
@@ -91,42 +79,26 @@ async def forward_callback(
             else "too many job-end callbacks from this address; retry"
         )
         return answer(429, text, retry_after=True), Outcome.RATE_LIMITED
-    owner = slice_config.replica(slice_config.ring.owner(session_id))
-    host = proxy.pool.origin(owner.url).host_header
+    options = exchange.options
+    host = proxy.pool.origin(exchange.owner.url).host_header
     # E4 counts from the callback's arrival: a slow upload spends the same 25 s.
-    deadline = started + options.callback_budget_s
+    deadline = exchange.started + options.callback_budget_s
     try:
         async with asyncio.timeout_at(deadline):
             body = await read_body(request, headers, options.max_request_body_bytes)
             data = upstream_request(request, target, headers, body, host, callback=True)
-            response = await proxy.place(
-                False, slice_config, session_id, data, options, policy, tally, started, owner
-            )
+            response = await proxy.place(exchange, data)
             try:
                 reply = await response.read_all(CALLBACK_ANSWER_LIMIT)
             finally:
                 response.release()
     except TimeoutError:
-        log.warning(
-            "job-end callback not answered within %g s (last replica tried: %s); answering 503",
-            options.callback_budget_s,
-            tally.replica,
-        )
-        text = f"no replica answered the callback within {options.callback_budget_s:g} s"
-        return answer(RETRY_LATER, text, retry_after=True), Outcome.TIMED_OUT
-    except PlacementFailed as exc:
-        failed = placement_failed(exc, slice_config, policy, Kind.CALLBACK, metrics)
+        failed = callback_unanswered(exchange)
         return failed.response(), failed.outcome
-    except UpstreamTimeout as exc:
-        log.warning("%s", exc)
-        text = "the replica did not answer the callback in time"
-        return answer(RETRY_LATER, text), Outcome.TIMED_OUT
-    except UpstreamBadResponse as exc:
-        log.warning("%s", exc)
-        return answer(502, f"replica {tally.replica} sent an unusable answer"), (
-            Outcome.UPSTREAM_ERROR
-        )
-    metrics.placement[Kind.CALLBACK].observe(loop.time() - started)
+    except PLACING_ERRORS as exc:
+        failed = placing_failed(exc, exchange, metrics)
+        return failed.response(), failed.outcome
+    metrics.placement[Kind.CALLBACK].observe(loop.time() - exchange.started)
     out = web.Response(
         status=response.status,
         body=reply,

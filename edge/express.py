@@ -26,24 +26,23 @@ replica connection is aborted, as cancelling a task would.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Protocol
 
 from edge.accesslog import AccessRecord
-from edge.config import EdgeOptions, ReplicaConfig, SliceConfig
-from edge.errors import UpstreamTimeout, UpstreamUnavailable
+from edge.answers import EdgeAnswer, body_stalled, placing_failed
+from edge.errors import UpstreamUnavailable
+from edge.exchange import Exchange
 from edge.fastpath import FastConnection, response_head
 from edge.headers import declared_length
-from edge.metrics import Outcome
-from edge.proxy import COALESCE_LIMIT, REFUSALS, EdgeAnswer
-from edge.retry import RetryPolicy
+from edge.metrics import EdgeMetrics, Outcome
+from edge.proxy import COALESCE_LIMIT, REFUSALS
 from edge.upstream import UpstreamConnection, UpstreamResponse
-
-log = logging.getLogger("edge.express")
 
 
 class Host(Protocol):
     """What an express exchange needs from the edge serving it."""
+
+    metrics: EdgeMetrics
 
     def express_placed(self, exchange: Express) -> None:
         """The owner answered and the answer is being delivered (placement latency)."""
@@ -58,51 +57,31 @@ class Host(Protocol):
 class Express:
     """One command's exchange with its owner, followed by callbacks (see the module doc)."""
 
-    __slots__ = (
-        "conn",
-        "data",
-        "host",
-        "options",
-        "over",
-        "owner",
-        "policy",
-        "record",
-        "session_id",
-        "slice_config",
-        "started",
-        "timer",
-        "up",
-    )
+    __slots__ = ("conn", "data", "exchange", "host", "over", "timer", "up")
 
     def __init__(
         self,
         host: Host,
         conn: FastConnection,
         up: UpstreamConnection,
-        record: AccessRecord,
-        started: float,
-        *,
-        data: bytes,
-        session_id: str,
-        slice_config: SliceConfig,
-        owner: ReplicaConfig,
-        options: EdgeOptions,
-        policy: RetryPolicy,
+        exchange: Exchange,
+        data: bytes,  # the request as sent, for the ordinary path if it has to carry on
     ) -> None:
         self.host = host
         self.conn = conn
         self.up = up
-        self.record = record
-        self.started = started
-        # What the ordinary path needs if it has to carry on.
+        self.exchange = exchange
         self.data = data
-        self.session_id = session_id
-        self.slice_config = slice_config
-        self.owner = owner
-        self.options = options
-        self.policy = policy
         self.over = False
         self.timer: asyncio.TimerHandle | None = None
+
+    @property
+    def record(self) -> AccessRecord:
+        return self.exchange.record
+
+    @property
+    def started(self) -> float:
+        return self.exchange.started
 
     def follow(self) -> None:
         """Follow the exchange, whose request the caller has just started on ``up`` (the
@@ -136,14 +115,8 @@ class Express:
             self.up.abort()
             if isinstance(error, UpstreamUnavailable):
                 self._promote(None)  # the pooled connection was dead: nothing was answered
-            elif isinstance(error, UpstreamTimeout):
-                log.warning("%s", error)
-                text = f"replica {self.record.tally.replica} did not answer in time"
-                self._answer(EdgeAnswer(504, text, Outcome.TIMED_OUT))
             else:
-                log.warning("%s", error)
-                text = f"replica {self.record.tally.replica} sent an unusable answer"
-                self._answer(EdgeAnswer(502, text, Outcome.UPSTREAM_ERROR))
+                self._answer(placing_failed(error, self.exchange, self.host.metrics))
             return
         if response.status in REFUSALS:
             self._detach()
@@ -159,8 +132,8 @@ class Express:
             self._promote(response)  # streamed, or reported broken, by the ordinary relay
             return
         if self.timer is None:  # a short body still on its way: wait for it, not forever
-            loop = asyncio.get_running_loop()
-            self.timer = loop.call_later(self.options.upstream_header_timeout_s, self._stalled)
+            wait_s = self.exchange.options.upstream_header_timeout_s
+            self.timer = asyncio.get_running_loop().call_later(wait_s, self._stalled)
 
     def _stalled(self) -> None:
         self.timer = None
@@ -168,8 +141,7 @@ class Express:
             return
         self._detach()
         self.up.abort()
-        log.warning("a replica stalled mid-answer; answering 504")
-        self._answer(EdgeAnswer(504, "the replica stalled mid-answer", Outcome.TIMED_OUT))
+        self._answer(body_stalled())
 
     def _detach(self) -> None:
         self.up.listener = None

@@ -39,6 +39,7 @@ from http import HTTPStatus
 from typing import Any, Final, NamedTuple, Protocol, cast
 
 from edge.accesslog import AccessRecord
+from edge.answers import EdgeAnswer
 from edge.classify import Classified, Kind, Routed, classify
 from edge.config import EdgeOptions
 from edge.errors import UpstreamError
@@ -51,7 +52,7 @@ from edge.headers import (
 )
 from edge.memo import Memo
 from edge.metrics import Outcome
-from edge.proxy import EdgeAnswer, whole_body
+from edge.proxy import whole_body
 from edge.upstream import UpstreamResponse
 from wire.http import RETRY_AFTER_HEADER, RETRY_AFTER_S
 

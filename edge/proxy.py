@@ -20,24 +20,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from typing import Final
 
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
 
 from edge.accesslog import AccessRecord
+from edge.answers import (
+    PLACING_ERRORS,
+    EdgeAnswer,
+    body_broke_off,
+    body_stalled,
+    placing_failed,
+)
 from edge.classify import Kind
-from edge.config import EdgeOptions, ReplicaConfig, SliceConfig
+from edge.config import EdgeOptions, ReplicaConfig
 from edge.errors import (
     BodyIncomplete,
     BodyTooLarge,
     LengthRequired,
-    UpstreamBadResponse,
     UpstreamError,
-    UpstreamTimeout,
     UpstreamUnavailable,
 )
+from edge.exchange import Exchange
 from edge.headers import (
     RETRY_AFTER_FIELD,
     RawHeaders,
@@ -48,10 +53,10 @@ from edge.headers import (
     response_headers,
 )
 from edge.metrics import EdgeMetrics, Outcome
-from edge.placement import FailedAttempt, PlacementFailed, Tally, place
-from edge.retry import GiveUpReason, RetryPolicy, parse_retry_after
+from edge.placement import FailedAttempt
+from edge.retry import parse_retry_after
 from edge.upstream import UpstreamPool, UpstreamResponse
-from wire.http import MISDIRECTED, RETRY_LATER, retry_after_headers
+from wire.http import MISDIRECTED, RETRY_LATER
 
 log = logging.getLogger("edge.proxy")
 
@@ -70,25 +75,6 @@ REFUSAL_BODY_LIMIT: Final = 64 * 1024
 REFUSAL_READ_S: Final = 2.0
 _BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
-
-
-def answer(status: int, text: str, *, retry_after: bool = False) -> web.Response:
-    """A response made by the edge itself (plain text, never quoting request headers)."""
-    headers = retry_after_headers() if retry_after else None
-    return web.Response(status=status, text=text + "\n", headers=headers)
-
-
-@dataclass(frozen=True, slots=True)
-class EdgeAnswer:
-    """What the edge answers itself when it could not get a replica's answer."""
-
-    status: int
-    text: str
-    outcome: Outcome
-    retry_after: bool = False
-
-    def response(self) -> web.Response:
-        return answer(self.status, self.text, retry_after=self.retry_after)
 
 
 async def read_body(request: BaseRequest, headers: RawHeaders, max_bytes: int) -> bytes:
@@ -199,135 +185,52 @@ class HttpProxy:
 
     async def place(
         self,
-        head_only: bool,
-        slice_config: SliceConfig,
-        session_id: str,
+        exchange: Exchange,
         data: bytes,
-        options: EdgeOptions,
-        policy: RetryPolicy,
-        tally: Tally,
-        started: float,
-        owner: ReplicaConfig,
+        *,
+        head_only: bool = False,
         first: UpstreamResponse | None = None,
     ) -> UpstreamResponse:
+        """The first deliverable answer; raises what :data:`edge.answers.PLACING_ERRORS`
+        names. ``first`` is the owner's answer when the caller already asked it."""
+        options = exchange.options
+
         async def attempt(replica: ReplicaConfig) -> UpstreamResponse | FailedAttempt:
             return await self.attempt(replica, data, options, head_only)
 
-        answer = None if first is None else await placement_answer(first, owner)
-        return await place(
-            slice_config,
-            session_id,
-            policy,
-            attempt,
-            tally,
-            started=started,
-            owner=owner,
-            first=answer,
-        )
+        answer = None if first is None else await placement_answer(first, exchange.owner)
+        return await exchange.place(attempt, first=answer)
 
     async def forward(
-        self,
-        request: BaseRequest,
-        kind: Kind,
-        target: str,
-        headers: RawHeaders,
-        slice_config: SliceConfig,
-        session_id: str,
-        options: EdgeOptions,
-        policy: RetryPolicy,
-        record: AccessRecord,
-        started: float,
+        self, request: BaseRequest, target: str, headers: RawHeaders, exchange: Exchange
     ) -> tuple[web.StreamResponse, Outcome]:
         """Place the request and relay the answer; returns the response and how it ended."""
-        tally = record.tally
+        options = exchange.options
         body = await read_body(request, headers, options.max_request_body_bytes)
-        owner = slice_config.replica(slice_config.ring.owner(session_id))
-        host = self.pool.origin(owner.url).host_header
+        host = self.pool.origin(exchange.owner.url).host_header
         data = upstream_request(request, target, headers, body, host, callback=False)
-        placed = await self.placed(
-            request.method == "HEAD",
-            kind,
-            data,
-            slice_config,
-            session_id,
-            options,
-            policy,
-            tally,
-            started,
-            owner,
-        )
+        placed = await self.placed(exchange, data, head_only=request.method == "HEAD")
         if isinstance(placed, EdgeAnswer):
             return placed.response(), placed.outcome
-        return await relay_response(request, placed, kind, options, self.metrics, record)
+        return await relay_response(request, placed, exchange, self.metrics)
 
     async def placed(
         self,
-        head_only: bool,
-        kind: Kind,
+        exchange: Exchange,
         data: bytes,
-        slice_config: SliceConfig,
-        session_id: str,
-        options: EdgeOptions,
-        policy: RetryPolicy,
-        tally: Tally,
-        started: float,
-        owner: ReplicaConfig,
+        *,
+        head_only: bool = False,
         first: UpstreamResponse | None = None,
     ) -> UpstreamResponse | EdgeAnswer:
         """The replica's answer once placed, or the edge's own answer when placement failed.
         ``first`` is the owner's answer when the caller already asked it (edge.express)."""
         try:
-            response = await self.place(
-                head_only,
-                slice_config,
-                session_id,
-                data,
-                options,
-                policy,
-                tally,
-                started,
-                owner,
-                first,
-            )
-        except PlacementFailed as exc:
-            return placement_failed(exc, slice_config, policy, kind, self.metrics)
-        except UpstreamTimeout as exc:
-            log.warning("%s", exc)
-            text = f"replica {tally.replica} did not answer in time"
-            return EdgeAnswer(504, text, Outcome.TIMED_OUT)
-        except UpstreamBadResponse as exc:
-            log.warning("%s", exc)
-            text = f"replica {tally.replica} sent an unusable answer"
-            return EdgeAnswer(502, text, Outcome.UPSTREAM_ERROR)
-        self.metrics.placement[kind].observe(asyncio.get_running_loop().time() - started)
+            response = await self.place(exchange, data, head_only=head_only, first=first)
+        except PLACING_ERRORS as exc:
+            return placing_failed(exc, exchange, self.metrics)
+        elapsed = asyncio.get_running_loop().time() - exchange.started
+        self.metrics.placement[exchange.kind].observe(elapsed)
         return response
-
-
-def placement_failed(
-    exc: PlacementFailed,
-    slice_config: SliceConfig,
-    policy: RetryPolicy,
-    kind: Kind,
-    metrics: EdgeMetrics,
-) -> EdgeAnswer:
-    if exc.reason is GiveUpReason.MISROUTED:
-        text = (
-            f"every replica of slice {slice_config.name} answered 421: none mounts this "
-            "session's shard, so the edge's slice configuration is wrong"
-        )
-        return EdgeAnswer(502, text, Outcome.MISROUTED)
-    metrics.exhausted[kind].inc()
-    log.warning(
-        "retry budget of %g s exhausted on slice %s; last answer %s",
-        policy.budget_s,
-        slice_config.name,
-        exc.note,
-    )
-    text = (
-        f"no replica of slice {slice_config.name} could take this session within "
-        f"{policy.budget_s:g} s; last answer from {exc.note}"
-    )
-    return EdgeAnswer(RETRY_LATER, text, Outcome.EXHAUSTED, retry_after=True)
 
 
 async def whole_body(
@@ -346,22 +249,16 @@ async def whole_body(
         async with asyncio.timeout(options.upstream_header_timeout_s):
             return await response.read_all(length)
     except TimeoutError:
-        log.warning("a replica stalled mid-answer; answering 504")
-        return EdgeAnswer(504, "the replica stalled mid-answer", Outcome.TIMED_OUT)
+        return body_stalled()
     except UpstreamError as exc:
-        log.warning("%s", exc)
-        return EdgeAnswer(502, "the replica's answer broke off", Outcome.UPSTREAM_ERROR)
+        return body_broke_off(exc)
 
 
 async def relay_response(
-    request: BaseRequest,
-    response: UpstreamResponse,
-    kind: Kind,
-    options: EdgeOptions,
-    metrics: EdgeMetrics,
-    record: AccessRecord,
+    request: BaseRequest, response: UpstreamResponse, exchange: Exchange, metrics: EdgeMetrics
 ) -> tuple[web.StreamResponse, Outcome]:
     """Pass a replica's answer on: in one write when it is complete, else streamed."""
+    kind, options = exchange.kind, exchange.options
     try:
         body = await whole_body(response, options, streaming=kind is Kind.SSE)
         if isinstance(body, EdgeAnswer):
@@ -374,7 +271,7 @@ async def relay_response(
                 headers=response_headers(response.headers, keep_length=keep_length),
             )
             return out, Outcome.DELIVERED
-        return await _stream(request, response, kind, options, metrics, record)
+        return await _stream(request, response, kind, options, metrics, exchange.record)
     finally:
         response.release()
 

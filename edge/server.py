@@ -43,19 +43,20 @@ from aiohttp import web
 from aiohttp.web_request import BaseRequest
 
 from edge import accesslog
-from edge.accesslog import AccessRecord, RequestErrors, install_redaction
+from edge.accesslog import AccessRecord, Lane, RequestErrors, install_redaction
+from edge.answers import SHED, EdgeAnswer, answer, rejected
 from edge.callbacks import CallbackLimits, forward_callback
 from edge.classify import Kind, Local, Probe, Refused, Routed, classify
 from edge.config import EdgeConfig, EdgeOptions, ReplicaConfig, SliceConfig, load_config
 from edge.errors import ConfigError, RoutingError
+from edge.exchange import Exchange
 from edge.express import Express
 from edge.fastpath import FastConnection, FastLane, FastRequest, relay_to_connection
 from edge.metrics import EdgeMetrics, Outcome, start_metrics_server
-from edge.proxy import EdgeAnswer, HttpProxy, answer
+from edge.proxy import HttpProxy
 from edge.retry import RetryPolicy
 from edge.upstream import UpstreamPool, UpstreamResponse
 from edge.websocket import WebSocketProxy
-from wire.http import RETRY_LATER
 
 log = logging.getLogger("edge.server")
 
@@ -312,7 +313,7 @@ class Edge:
         """A command from the fast lane: the same gates, placement, metrics and access line as
         :meth:`_handle` gives it, answered on the connection itself."""
         started = self._now()
-        record = AccessRecord("POST", request.path)
+        record = AccessRecord("POST", request.path, Lane.FAST)
         record.kind = Kind.COMMAND
         with self._in_flight(record, started):
             record.status, record.outcome = await self._command(
@@ -325,39 +326,21 @@ class Edge:
         """Start a command as an :class:`Express` exchange when its owner has an idle pooled
         connection (the usual case); False leaves it to :meth:`_serve_fast`, which also gives
         every refusal (shedding, routing) its answer."""
-        runtime = self.runtime
-        options = runtime.config.options
-        if self.in_flight >= options.max_concurrent_requests:
-            return False
-        try:
-            route = runtime.route(decision.session_id)
-        except RoutingError:
-            return False
-        owner = route.owner
+        record = AccessRecord("POST", request.path, Lane.EXPRESS)
+        record.kind = Kind.COMMAND
+        admitted = self.admit(decision, record, self._now(), counted=False)
+        if isinstance(admitted, EdgeAnswer):
+            return False  # _serve_fast admits it again and gives the refusal its answer
+        owner = admitted.owner
         up = self.pool.idle_connection(owner.url)
         if up is None:
             return False
-        started = self._now()
         data = self._upstream_bytes(request, body, owner)
-        up.start(data, options.upstream_header_timeout_s)
-        record = AccessRecord("POST", request.path)
-        record.kind = Kind.COMMAND
+        up.start(data, admitted.options.upstream_header_timeout_s)
         tally = record.tally
         tally.attempts = 1
         tally.replica = owner.name
-        exchange = Express(
-            self,
-            conn,
-            up,
-            record,
-            started,
-            data=data,
-            session_id=decision.session_id,
-            slice_config=route.slice_config,
-            owner=owner,
-            options=options,
-            policy=runtime.policy,
-        )
+        exchange = Express(self, conn, up, admitted, data)
         self._express.add(exchange)
         self.expressed += 1
         conn.job = exchange
@@ -386,21 +369,9 @@ class Edge:
         with self._in_flight(record, exchange.started):
             # From the owner's answer if express had one (a refusal is the planner's first
             # input; anything else is placed already), else from the beginning.
-            placed = await self._http.placed(
-                False,
-                Kind.COMMAND,
-                exchange.data,
-                exchange.slice_config,
-                exchange.session_id,
-                exchange.options,
-                exchange.policy,
-                record.tally,
-                exchange.started,
-                exchange.owner,
-                first,
-            )
+            placed = await self._http.placed(exchange.exchange, exchange.data, first=first)
             record.status, record.outcome = await self._answer_command(
-                exchange.conn, placed, exchange.options, record
+                exchange.conn, placed, exchange.exchange.options, record
             )
 
     def _upstream_bytes(self, request: FastRequest, body: bytes, owner: ReplicaConfig) -> bytes:
@@ -429,31 +400,40 @@ class Edge:
         record: AccessRecord,
         started: float,
     ) -> tuple[int, Outcome]:
+        admitted = self.admit(decision, record, started)
+        if isinstance(admitted, EdgeAnswer):
+            conn.answer(admitted.status, admitted.text, retry_after=admitted.retry_after)
+            return admitted.status, admitted.outcome
+        data = self._upstream_bytes(request, body, admitted.owner)
+        placed = await self._http.placed(admitted, data)
+        return await self._answer_command(conn, placed, admitted.options, record)
+
+    def admit(
+        self, decision: Routed, record: AccessRecord, started: float, *, counted: bool = True
+    ) -> Exchange | EdgeAnswer:
+        """The one admission check of every lane: shed over the concurrent request limit
+        (requests in tasks and express exchanges count alike; ``counted`` when this request is
+        already among them), then route the session id to its slice and ring owner."""
         runtime = self.runtime
         options = runtime.config.options
-        if self.in_flight > options.max_concurrent_requests:  # this request included
-            text = "the edge is at its concurrent request limit; retry"
-            conn.answer(RETRY_LATER, text, retry_after=True)
-            return RETRY_LATER, Outcome.SHED
+        if self.in_flight + (0 if counted else 1) > options.max_concurrent_requests:
+            return SHED
         try:
             route = runtime.route(decision.session_id)
         except RoutingError as exc:
-            conn.answer(exc.status, str(exc))
-            return exc.status, Outcome.REJECTED
-        slice_config, owner = route.slice_config, route.owner
-        placed = await self._http.placed(
-            False,
-            Kind.COMMAND,
-            self._upstream_bytes(request, body, owner),
-            slice_config,
+            return rejected(exc)
+        kind = decision.kind
+        policy = runtime.callback_policy if kind is Kind.CALLBACK else runtime.policy
+        return Exchange(
+            kind,
             decision.session_id,
+            route.slice_config,
+            route.owner,
             options,
-            runtime.policy,
-            record.tally,
+            policy,
+            record,
             started,
-            owner,
         )
-        return await self._answer_command(conn, placed, options, record)
 
     def _probe(self, probe: Probe) -> web.Response:
         if probe is Probe.LIVEZ:
@@ -491,58 +471,24 @@ class Edge:
             record.outcome = Outcome.REJECTED
             return answer(decision.status, decision.reason)
         kind = record.kind = decision.kind
-        runtime = self.runtime
-        options = runtime.config.options
-        if len(self._tasks) > options.max_concurrent_requests:
-            record.outcome = Outcome.SHED
-            text = "the edge is at its concurrent request limit; retry"
-            return answer(RETRY_LATER, text, retry_after=True)
+        admitted = self.admit(decision, record, started)
+        if isinstance(admitted, EdgeAnswer):
+            record.outcome = admitted.outcome
+            return admitted.response()
         headers = request.raw_headers
         try:
-            slice_config = runtime.route(decision.session_id).slice_config
             if kind is Kind.CALLBACK:
                 response, outcome = await forward_callback(
-                    self._http,
-                    self._limits,
-                    request,
-                    target,
-                    headers,
-                    slice_config,
-                    decision.session_id,
-                    options,
-                    runtime.callback_policy,
-                    record,
-                    started,
-                    self.metrics,
+                    self._http, self._limits, request, target, headers, admitted, self.metrics
                 )
             elif kind is Kind.WEBSOCKET:
-                response, outcome = await self._ws.forward(
-                    request,
-                    target,
-                    headers,
-                    slice_config,
-                    decision.session_id,
-                    options,
-                    runtime.policy,
-                    record,
-                    started,
-                )
+                response, outcome = await self._ws.forward(request, target, headers, admitted)
             else:
-                response, outcome = await self._http.forward(
-                    request,
-                    kind,
-                    target,
-                    headers,
-                    slice_config,
-                    decision.session_id,
-                    options,
-                    runtime.policy,
-                    record,
-                    started,
-                )
-        except RoutingError as exc:
-            record.outcome = Outcome.REJECTED
-            return answer(exc.status, str(exc))
+                response, outcome = await self._http.forward(request, target, headers, admitted)
+        except RoutingError as exc:  # the request body: 411, 413 or 400
+            failed = rejected(exc)
+            record.outcome = failed.outcome
+            return failed.response()
         record.outcome = outcome
         return response
 

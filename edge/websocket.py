@@ -31,9 +31,11 @@ from aiohttp.web_request import BaseRequest
 from yarl import URL
 
 from edge.accesslog import AccessRecord
+from edge.answers import PLACING_ERRORS, placing_failed
 from edge.classify import Kind
-from edge.config import EdgeOptions, ReplicaConfig, SliceConfig
+from edge.config import EdgeOptions, ReplicaConfig
 from edge.errors import UpstreamBadResponse, UpstreamTimeout
+from edge.exchange import Exchange
 from edge.headers import (
     RETRY_AFTER_FIELD,
     RawHeaders,
@@ -42,9 +44,9 @@ from edge.headers import (
     websocket_protocols,
 )
 from edge.metrics import EdgeMetrics, Outcome
-from edge.placement import FailedAttempt, PlacementFailed, place
-from edge.proxy import REFUSALS, answer, placement_failed
-from edge.retry import RetryPolicy, parse_retry_after
+from edge.placement import FailedAttempt
+from edge.proxy import REFUSALS
+from edge.retry import parse_retry_after
 
 log = logging.getLogger("edge.websocket")
 
@@ -273,18 +275,9 @@ class WebSocketProxy:
             return FailedAttempt.unreached("unreachable")
 
     async def forward(
-        self,
-        request: BaseRequest,
-        target: str,
-        headers: RawHeaders,
-        slice_config: SliceConfig,
-        session_id: str,
-        options: EdgeOptions,
-        policy: RetryPolicy,
-        record: AccessRecord,
-        started: float,
+        self, request: BaseRequest, target: str, headers: RawHeaders, exchange: Exchange
     ) -> tuple[web.StreamResponse, Outcome]:
-        tally = record.tally
+        options = exchange.options
         fields = websocket_headers(headers)
         offered = websocket_protocols(headers)
 
@@ -294,21 +287,12 @@ class WebSocketProxy:
             return await self._attempt(replica, target, fields, offered, options)
 
         try:
-            upstream: UpstreamSocket | HandshakeAnswer = await place(
-                slice_config, session_id, policy, attempt, tally, started=started
-            )
-        except PlacementFailed as exc:
-            failed = placement_failed(exc, slice_config, policy, Kind.WEBSOCKET, self.metrics)
+            upstream: UpstreamSocket | HandshakeAnswer = await exchange.place(attempt)
+        except PLACING_ERRORS as exc:
+            failed = placing_failed(exc, exchange, self.metrics)
             return failed.response(), failed.outcome
-        except UpstreamTimeout as exc:
-            log.warning("%s", exc)
-            return answer(504, f"replica {tally.replica} did not answer in time"), Outcome.TIMED_OUT
-        except UpstreamBadResponse as exc:
-            log.warning("%s", exc)
-            return answer(502, f"replica {tally.replica} sent an unusable answer"), (
-                Outcome.UPSTREAM_ERROR
-            )
-        self.metrics.placement[Kind.WEBSOCKET].observe(asyncio.get_running_loop().time() - started)
+        elapsed = asyncio.get_running_loop().time() - exchange.started
+        self.metrics.placement[Kind.WEBSOCKET].observe(elapsed)
         if isinstance(upstream, HandshakeAnswer):
             out = web.Response(
                 status=upstream.status,
@@ -316,7 +300,7 @@ class WebSocketProxy:
                 headers=response_headers(upstream.headers, keep_length=False),
             )
             return out, Outcome.DELIVERED
-        return await self._relay(request, upstream, options, record)
+        return await self._relay(request, upstream, options, exchange.record)
 
     async def _relay(
         self,

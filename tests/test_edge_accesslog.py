@@ -65,7 +65,8 @@ def test_access_lines_hold_no_query(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, "edge.access"):
         write(record, 0.0123)
     assert caplog.messages == [
-        "POST /_beyond/agent 202 kind=callback outcome=delivered replica=r2 attempts=3 ms=12.3"
+        "POST /_beyond/agent 202 kind=callback lane=aiohttp outcome=delivered replica=r2 "
+        "attempts=3 ms=12.3"
     ]
     assert record.outcome is Outcome.DELIVERED
 
@@ -110,7 +111,7 @@ async def test_the_sink_batches_lines_and_writes_them_soon(
     assert len(lines) == 2 and not caplog.messages  # the sink, not the logger
     assert re.fullmatch(
         r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO edge\.access: POST /_beyond/agent 200 "
-        r"kind=command outcome=delivered replica=r1 attempts=1 ms=2\.0",
+        r"kind=command lane=aiohttp outcome=delivered replica=r1 attempts=1 ms=2\.0",
         lines[0],
     )
 

@@ -275,8 +275,8 @@ async def test_e7_the_token_is_never_logged(caplog: pytest.LogCaptureFixture) ->
                 await send_raw(edge.port, data)
             scrape = edge.metrics.render()
     assert "edge.access" in caplog.text
-    # aiohttp quoted the unparseable request, and the quote was redacted.
-    assert "[redacted]" in caplog.text
+    # The request aiohttp could not parse is logged by its kind and peer, not its bytes.
+    assert "bad request from 127.0.0.1: BadHttpMessage (400)" in caplog.text
     assert TOKEN.decode() not in caplog.text
     assert TOKEN[7:].decode() not in caplog.text
     assert TOKEN not in scrape and b"a07-s1" not in scrape

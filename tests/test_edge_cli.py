@@ -277,7 +277,8 @@ async def test_serve_reloads_on_sighup_and_drains_on_sigterm(tmp_path: Path) -> 
     assert all(
         re.fullmatch(
             r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO edge\.access: POST /_beyond/agent 200 "
-            r"kind=command outcome=delivered replica=r[123] attempts=1 ms=\d+\.\d",
+            r"kind=command lane=(fast|express) outcome=delivered replica=r[123] attempts=1 "
+            r"ms=\d+\.\d",
             line,
         )
         for line in access

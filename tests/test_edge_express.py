@@ -336,19 +336,42 @@ async def test_a_plain_answer_is_passed_on_as_it_came_and_hop_by_hop_fields_are_
         assert edge.expressed == 3
 
 
+async def one_express_exchange_held(
+    edge: Edge, replica: FakeReplica, r: asyncio.StreamReader, w: asyncio.StreamWriter
+) -> None:
+    """A command answered (so the pool has an idle connection), then an express exchange on it
+    that the replica never answers: one request in flight, and it is an express exchange."""
+    w.write(command(SID))
+    await read_response(r)
+    w.write(command(SID))
+    for _ in range(100):
+        if len(replica.seen) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert edge.expressed == 1 and edge.in_flight == 1
+
+
 async def test_the_concurrency_limit_counts_express_exchanges() -> None:
     replica = FakeReplica("r1", script(ok(), hang()))
     async with fleet(replica, max_concurrent_requests=1) as edge:
         async with connected(edge.url) as (r, w), connected(edge.url) as (r2, w2):
-            w.write(command(SID))
-            await read_response(r)
-            w.write(command(SID))  # an express exchange the replica never answers
-            for _ in range(100):
-                if len(replica.seen) == 2:
-                    break
-                await asyncio.sleep(0.02)
-            assert edge.expressed == 1 and edge.in_flight == 1
+            await one_express_exchange_held(edge, replica, r, w)
             w2.write(command(SID))
+            status, _, body = await asyncio.wait_for(read_response(r2), 5)
+        assert status == 503 and b"concurrent request limit" in body
+        assert requests(edge, "command", "shed") == 1
+
+
+async def test_the_aiohttp_lane_counts_express_exchanges_too() -> None:
+    replica = FakeReplica("r1", script(ok(), hang()))
+    async with fleet(replica, max_concurrent_requests=1) as edge:
+        async with connected(edge.url) as (r, w), connected(edge.url) as (r2, w2):
+            await one_express_exchange_held(edge, replica, r, w)
+            # A chunked body is not the fast lane's: aiohttp's lane admits this one.
+            w2.write(
+                b"POST /_beyond/agent?session_id=" + SID.encode() + b" HTTP/1.1\r\n"
+                b"Host: edge\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+            )
             status, _, body = await asyncio.wait_for(read_response(r2), 5)
         assert status == 503 and b"concurrent request limit" in body
         assert requests(edge, "command", "shed") == 1
