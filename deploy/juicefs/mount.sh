@@ -331,7 +331,10 @@ check_redis() {
   esac
   local hosts=${META_URL#*://}
   hosts=${hosts%%/*}
-  if [[ "$META_URL" == *\?* ]] || [[ "${hosts#*@}" == *,* ]]; then
+  # The client's own options (max-retry-backoff, timeouts) mean nothing to redis-cli: drop
+  # them. TLS options it would need, so a URL with those is checked on the servers instead.
+  local cli_url=${META_URL%%\?*}
+  if [[ "$META_URL" == *\?*tls* ]] || [[ "${hosts#*@}" == *,* ]]; then
     warn "redis: a Sentinel, cluster or TLS-option URL; check appendonly, appendfsync and maxmemory-policy on the servers themselves"
     return 0
   fi
@@ -344,7 +347,7 @@ check_redis() {
   # never through a command line.
   if ! got=$(
     [ -z "$password" ] || export REDISCLI_AUTH="$password"
-    timeout 10 redis-cli --no-auth-warning -u "$META_URL" CONFIG GET '*' 2>&1 | paste - - |
+    timeout 10 redis-cli --no-auth-warning -u "$cli_url" CONFIG GET '*' 2>&1 | paste - - |
       grep -E '^(appendonly|appendfsync|maxmemory-policy)[[:space:]]'
   ); then
     warn "redis: could not read its configuration (CONFIG may be disabled on a managed service)"
