@@ -245,8 +245,11 @@ def require_loopback(host: str) -> None:
         )
 
 
-async def start_metrics_server(metrics: EdgeMetrics, host: str, port: int) -> web.AppRunner:
-    """Serve ``GET /metrics`` on a loopback address; returns the started runner."""
+async def start_metrics_server(
+    metrics: EdgeMetrics, host: str, port: int, *, logger: logging.Logger | None = None
+) -> web.AppRunner:
+    """Serve ``GET /metrics`` on a loopback address; returns the started runner. ``logger``
+    is what aiohttp logs request errors through (the edge passes its ``RequestErrors``)."""
     require_loopback(host)
 
     async def scrape(request: web.Request) -> web.Response:
@@ -258,7 +261,9 @@ async def start_metrics_server(metrics: EdgeMetrics, host: str, port: int) -> we
 
     app = web.Application()
     app.router.add_get("/metrics", scrape)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(
+        app, access_log=None, logger=logger or logging.getLogger("aiohttp.server")
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

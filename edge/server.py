@@ -169,6 +169,8 @@ class Edge:
         self, host: str, port: int, *, metrics_host: str | None = None, metrics_port: int = 0
     ) -> None:
         install_redaction()
+        # aiohttp types it as a Logger; it is called only as one (see RequestErrors).
+        request_errors = cast(logging.Logger, RequestErrors())
         # Kept rather than asked for per request: asking costs a getpid() system call.
         self._loop = asyncio.get_running_loop()
         options = self.runtime.config.options
@@ -176,8 +178,7 @@ class Edge:
             self._handle,
             handler_cancellation=True,
             access_log=None,
-            # aiohttp types it as a Logger; it is called only as one (see RequestErrors).
-            logger=cast(logging.Logger, RequestErrors()),
+            logger=request_errors,
             max_line_size=options.max_header_bytes,
             max_field_size=options.max_header_bytes,
         )
@@ -194,7 +195,7 @@ class Edge:
             )
             if metrics_host is not None:
                 self._metrics_runner = await start_metrics_server(
-                    self.metrics, metrics_host, metrics_port
+                    self.metrics, metrics_host, metrics_port, logger=request_errors
                 )
                 self.metrics_port = self._metrics_runner.addresses[0][1]
         except BaseException:
