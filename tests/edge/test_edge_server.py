@@ -9,7 +9,7 @@ from aiohttp import web
 
 from edge.ring import Ring
 from edge.server import ServerState
-from tests.edge_fakes import (
+from tests.edge.fakes import (
     FAST,
     FakeReplica,
     edge_config,
@@ -18,7 +18,7 @@ from tests.edge_fakes import (
     ok,
     requests,
 )
-from tests.test_edge_callbacks import send_raw
+from tests.edge.test_edge_callbacks import send_raw
 
 
 async def get(url: str, method: str = "GET", **kw: object) -> tuple[int, bytes]:

@@ -20,7 +20,7 @@ from aiohttp import web
 from fleet_sim.ports import free_port
 from replica.store import SessionStore
 from tests.harness import Fleet, Replica, fleet_at, post, wait_until
-from tests.test_replica_turns import (
+from tests.replica.test_replica_turns import (
     KnownBug,
     events,
     kind,

@@ -1,5 +1,5 @@
 """Pure claim checkers graded from journals (the scenarios that feed them run in
-tests/test_simulator_matrix.py)."""
+tests/sim/test_simulator_matrix.py)."""
 
 from __future__ import annotations
 

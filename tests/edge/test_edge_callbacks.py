@@ -9,7 +9,7 @@ import pytest
 from edge.callbacks import CallbackLimits
 from edge.config import EdgeOptions
 from edge.metrics import LimitScope
-from tests.edge_fakes import (
+from tests.edge.fakes import (
     FakeReplica,
     fleet,
     hang,

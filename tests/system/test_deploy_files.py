@@ -28,7 +28,7 @@ from edge.metrics import EdgeMetrics
 from fleet_sim.juicefs.mount import ClientOptions, mount_argv
 from replica.metrics import ReplicaMetrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 ALERT_TESTS = ROOT / "deploy" / "prometheus" / "alerts.test.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "fleet-dashboard.json"

@@ -17,7 +17,7 @@ from fuzz.run import harness_paths, target_of
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "tests" / "corpus"
 CI_RUNS = 2000
 TARGETS = [target_of(p) for p in harness_paths()]

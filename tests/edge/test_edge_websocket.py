@@ -9,7 +9,7 @@ import pytest
 from aiohttp import WSMsgType, web
 
 from edge.websocket import sendable_close_code
-from tests.edge_fakes import (
+from tests.edge.fakes import (
     FakeReplica,
     echo_websocket,
     fleet,

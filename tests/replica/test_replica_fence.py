@@ -22,8 +22,8 @@ from fleet_sim.leasefs.mount import mount_leasefs
 from replica.keyfiles import write_key_file
 from replica.store import SessionStore
 from tests.harness import fleet_at, post, wait_until
-from tests.test_replica_lifecycle import Receiver
-from tests.test_replica_turns import (
+from tests.replica.test_replica_lifecycle import Receiver
+from tests.replica.test_replica_turns import (
     KnownBug,
     events,
     kind,

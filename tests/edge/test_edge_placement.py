@@ -7,7 +7,7 @@ import pytest
 from edge.config import ReplicaConfig, SliceConfig
 from edge.placement import FailedAttempt, PlacementFailed, Tally, place
 from edge.retry import GiveUpReason, RetryPolicy
-from tests.edge_fakes import session_with_walk
+from tests.edge.fakes import session_with_walk
 
 NAMES = ("r1", "r2", "r3")
 SLICE = SliceConfig(

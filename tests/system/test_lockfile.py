@@ -29,7 +29,7 @@ from packaging.requirements import Requirement
 from packaging.utils import NormalizedName, canonicalize_name
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "requirements" / "lock.txt"
 LOCK_DEV = ROOT / "requirements" / "lock-dev.txt"
 DEV_EXTRAS = ("dev", "lint")

@@ -16,13 +16,22 @@ from replica.store import SessionStore
 from wire.names import parse_session_id
 
 DEK = bytes(range(32))
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Owner:
     def __init__(self, root: Path, sid: str, locking: str = "lock") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.store_child", str(root), "acme", sid, DEK.hex(), locking],
+            [
+                sys.executable,
+                "-m",
+                "tests.replica.store_child",
+                str(root),
+                "acme",
+                sid,
+                DEK.hex(),
+                locking,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

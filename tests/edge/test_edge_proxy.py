@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
-from tests.edge_fakes import (
+from tests.edge.fakes import (
     FakeReplica,
     Handler,
     fleet,

@@ -21,7 +21,7 @@ import pytest
 
 from fleet_sim.ports import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "deploy" / "attached-local"
 NET = "10.232.7"  # not the harness's default, so a fleet started by hand is not touched
 

@@ -1,5 +1,6 @@
 """Reading an attached fleet's state file: what the simulator needs from it, and clear errors
-for a file that is not one (the fleet itself is exercised in tests/test_attached_local.py)."""
+for a file that is not one (the fleet itself is exercised in
+tests/system/test_attached_local.py)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from edge.server import Edge
-from tests.edge_fakes import (
+from tests.edge.fakes import (
     FakeReplica,
     echo,
     fleet,
@@ -24,7 +24,7 @@ from tests.edge_fakes import (
     script,
     session_with_walk,
 )
-from tests.test_edge_fastpath import connected, read_response
+from tests.edge.test_edge_fastpath import connected, read_response
 
 pytestmark = pytest.mark.anyio
 

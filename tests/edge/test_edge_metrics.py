@@ -7,7 +7,7 @@ from edge.classify import Kind
 from edge.errors import ConfigError
 from edge.metrics import EdgeMetrics, Outcome, parse_listen, require_loopback
 from edge.server import start_edge
-from tests.edge_fakes import FAST, FakeReplica, edge_config, refuse
+from tests.edge.fakes import FAST, FakeReplica, edge_config, refuse
 
 
 def test_every_child_exists_at_zero() -> None:

@@ -1,5 +1,6 @@
 """The soak's pure parts: how fault kinds are dealt and how takeover times are read from a
-journal; and a short soak on juicefs (the one on leasefs runs in tests/test_simulator_matrix.py)."""
+journal; and a short soak on juicefs (the one on leasefs runs in
+tests/sim/test_simulator_matrix.py)."""
 
 from __future__ import annotations
 

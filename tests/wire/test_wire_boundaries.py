@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("edge", "replica", "wire")
 # Who may not import whom. Production code never imports the simulator either.
 FORBIDDEN = {

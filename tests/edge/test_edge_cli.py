@@ -14,7 +14,7 @@ import pytest
 
 from edge.cli import main
 from edge.ring import Ring
-from tests.edge_fakes import FakeReplica, ok
+from tests.edge.fakes import FakeReplica, ok
 from wire.names import MAX_REPLICA_NAME
 from wire.ring_hash import ring_hash
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from edge.fastpath import parse_head, response_head
 from edge.headers import request_head
-from tests.edge_fakes import FakeReplica, fleet, ok, requests
+from tests.edge.fakes import FakeReplica, fleet, ok, requests
 
 SID = "a07-s1.fast"
 TARGET = f"/_beyond/agent?session_id={SID}".encode()
