@@ -42,7 +42,6 @@ from edge.accesslog import AccessRecord
 from edge.answers import EdgeAnswer
 from edge.classify import Classified, Kind, Routed, classify
 from edge.config import EdgeOptions
-from edge.errors import UpstreamError
 from edge.headers import (
     CANONICAL_FIELD,
     REFRAMED,
@@ -53,6 +52,7 @@ from edge.headers import (
 from edge.memo import Memo
 from edge.metrics import Outcome
 from edge.proxy import whole_body
+from edge.relay import relay_body
 from edge.upstream import UpstreamResponse
 from wire.http import RETRY_AFTER_HEADER, RETRY_AFTER_S
 
@@ -506,22 +506,26 @@ async def _stream(
         )
     )
     record.answered(status)
-    try:
-        while True:
-            async with asyncio.timeout(idle_s):
-                chunk = await response.read()
-            if not chunk:
-                break
-            conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
-            await conn.drain()
-    except TimeoutError:
-        log.warning("a replica's answer was silent for %g s; closing it", idle_s)
-        conn.abort()
-        return Outcome.TIMED_OUT
-    except UpstreamError as exc:
-        log.warning("%s", exc)
-        conn.abort()  # ending it normally would tell the client the body is whole
-        return Outcome.UPSTREAM_ERROR
-    if chunked:
-        conn.write(b"0\r\n\r\n")
-    return Outcome.DELIVERED
+    return await relay_body(response, _ConnectionSink(conn, chunked), idle_s, "a command's answer")
+
+
+class _ConnectionSink:
+    """A fast connection as a :class:`edge.relay.BodySink`, framing chunks when the answer
+    has no length."""
+
+    __slots__ = ("chunked", "conn")
+
+    def __init__(self, conn: FastConnection, chunked: bool) -> None:
+        self.conn = conn
+        self.chunked = chunked
+
+    async def write(self, chunk: bytes) -> None:
+        self.conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if self.chunked else chunk)
+        await self.conn.drain()
+
+    async def end(self) -> None:
+        if self.chunked:
+            self.conn.write(b"0\r\n\r\n")
+
+    def abort(self) -> None:
+        self.conn.abort()  # ending it normally would tell the client the body is whole

@@ -54,6 +54,7 @@ from edge.headers import (
 )
 from edge.metrics import EdgeMetrics, Outcome
 from edge.placement import FailedAttempt
+from edge.relay import relay_body
 from edge.retry import parse_retry_after
 from edge.upstream import UpstreamPool, UpstreamResponse
 from wire.http import MISDIRECTED, RETRY_LATER
@@ -289,44 +290,35 @@ async def _stream(
     )
     await out.prepare(request)
     record.answered(out.status)
+    sink = _ResponseSink(request, out)
     if kind is Kind.SSE:
         gauge = metrics.streams[Kind.SSE]
         gauge.inc()
         try:
-            return await _pump(request, response, out, SSE_IDLE_S, kind)
+            return out, await relay_body(response, sink, SSE_IDLE_S, "an event stream")
         finally:
             gauge.dec()
-    return await _pump(request, response, out, options.upstream_header_timeout_s, kind)
+    idle_s = options.upstream_header_timeout_s
+    return out, await relay_body(response, sink, idle_s, f"a streamed {kind} answer")
 
 
-async def _pump(
-    request: BaseRequest,
-    response: UpstreamResponse,
-    out: web.StreamResponse,
-    idle: float,
-    kind: Kind,
-) -> tuple[web.StreamResponse, Outcome]:
-    try:
-        while True:
-            async with asyncio.timeout(idle):
-                chunk = await response.read()
-            if not chunk:
-                break
-            await out.write(chunk)
-    except TimeoutError:
-        log.warning("a %s stream from a replica was silent for %g s; closing it", kind, idle)
-        _break(request)
-        return out, Outcome.TIMED_OUT
-    except UpstreamError as exc:
-        log.warning("%s", exc)
-        _break(request)
-        return out, Outcome.UPSTREAM_ERROR
-    await out.write_eof()
-    return out, Outcome.DELIVERED
+class _ResponseSink:
+    """An aiohttp response as a :class:`edge.relay.BodySink`."""
 
+    __slots__ = ("out", "request")
 
-def _break(request: BaseRequest) -> None:
-    # Ending the response normally would tell the client the body is whole.
-    transport = request.transport
-    if transport is not None:
-        transport.abort()
+    def __init__(self, request: BaseRequest, out: web.StreamResponse) -> None:
+        self.request = request
+        self.out = out
+
+    async def write(self, chunk: bytes) -> None:
+        await self.out.write(chunk)
+
+    async def end(self) -> None:
+        await self.out.write_eof()
+
+    def abort(self) -> None:
+        # Ending the response normally would tell the client the body is whole.
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
