@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 
 import pytest
 
@@ -19,6 +18,7 @@ from tests.edge.fakes import (
     sample,
     session_with_walk,
 )
+from tests.edge.wire_client import send_raw
 
 TOKEN = b"bjn_v1.c2VjcmV0LXRva2VuLW5ldmVyLWxvZ2dlZA"
 SID = "a07-s1.job"
@@ -44,21 +44,6 @@ def callback(
         + b"\r\nConnection: close\r\n\r\n"
         + body
     )
-
-
-async def send_raw(port: int, data: bytes) -> tuple[int, bytes]:
-    """One request on its own connection, as bytes: client libraries normalise headers."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(data)
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        status = int(head.split(b" ", 2)[1])
-        length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
-        body = await reader.readexactly(int(length.group(1))) if length else b""
-        return status, body
-    finally:
-        writer.close()
 
 
 # --- E1: classification, on the wire -------------------------------------------------------------

@@ -24,7 +24,7 @@ from tests.edge.fakes import (
     script,
     session_with_walk,
 )
-from tests.edge.test_edge_fastpath import connected, read_response
+from tests.edge.wire_client import connected, read_response
 
 pytestmark = pytest.mark.anyio
 

@@ -4,8 +4,6 @@ mid-life, pipelined commands, streamed answers and drains all come out right on 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
@@ -15,6 +13,7 @@ from hypothesis import strategies as st
 from edge.fastpath import parse_head, response_head
 from edge.headers import request_head
 from tests.edge.fakes import FakeReplica, fleet, ok, requests
+from tests.edge.wire_client import connected, read_response
 
 SID = "a07-s1.fast"
 TARGET = f"/_beyond/agent?session_id={SID}".encode()
@@ -144,39 +143,6 @@ def test_the_answer_head_drops_hop_by_hop_fields_and_writes_its_own_framing() ->
 def command(body: bytes = b"{}", *extra: bytes) -> bytes:
     lines = [b"Host: edge", b"Content-Length: %d" % len(body), *extra]
     return head(*lines) + b"\r\n\r\n" + body
-
-
-async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes], bytes]:
-    status_line = await reader.readline()
-    status = int(status_line.split()[1])
-    fields: dict[bytes, bytes] = {}
-    while (line := await reader.readline()) != b"\r\n":
-        name, _, value = line.rstrip(b"\r\n").partition(b":")
-        fields[name.strip().lower()] = value.strip()
-    if b"content-length" in fields:
-        body = await reader.readexactly(int(fields[b"content-length"]))
-    elif fields.get(b"transfer-encoding") == b"chunked":
-        parts = []
-        while (size := int((await reader.readline()).strip(), 16)) > 0:
-            parts.append(await reader.readexactly(size))
-            await reader.readline()
-        await reader.readline()
-        body = b"".join(parts)
-    else:
-        body = await reader.read()
-    return status, fields, body
-
-
-@contextlib.asynccontextmanager
-async def connected(url: str) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-    host, _, port = url.removeprefix("http://").rpartition(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    try:
-        yield reader, writer
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
 
 
 @pytest.mark.anyio

@@ -18,7 +18,7 @@ from tests.edge.fakes import (
     ok,
     requests,
 )
-from tests.edge.test_edge_callbacks import send_raw
+from tests.edge.wire_client import send_raw
 
 
 async def get(url: str, method: str = "GET", **kw: object) -> tuple[int, bytes]:

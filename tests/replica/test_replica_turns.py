@@ -6,25 +6,33 @@ the step and wall-time budgets."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import re
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import websockets
 
 from fleet_sim.local import Proc
-from tests.harness import Fleet, Replica, agent_url, fleet_at, post, wait_until
+from tests.harness import Fleet, Replica, fleet_at, post, wait_until
+from tests.replica.support import (
+    WsSession,
+    events,
+    kind,
+    new_sid,
+    outcomes_since,
+    settled_messages,
+    state,
+    streamed_text,
+    turn_outcomes,
+    ws_session,
+)
 
 pytestmark = pytest.mark.slow
-FRAME_WAIT_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -45,106 +53,8 @@ def model_server(fleet: Fleet) -> Iterator[str]:
         proc.stop()
 
 
-class KnownBug(AssertionError):
-    """Raised by the one check of an ``xfail(raises=KnownBug)`` test that a known product bug
-    fails, so that any other check failing in that test still fails it."""
-
-
-def new_sid() -> str:
-    return f"a07-s1.{secrets.token_urlsafe(8)}"
-
-
 def shard(fleet: Fleet, name: str) -> dict[str, Path]:
     return {"a07-s1": fleet.root / f"shard-{name}"}
-
-
-# -- a WebSocket client ------------------------------------------------------------------------
-
-
-class WsSession:
-    """One WebSocket client of a session; every read is bounded, and each frame is stamped with
-    the monotonic time it arrived."""
-
-    def __init__(self, ws: Any) -> None:
-        self.ws = ws
-        self.arrivals: list[tuple[float, dict[str, Any]]] = []
-
-    async def send(self, command: dict[str, Any]) -> float:
-        await self.ws.send(json.dumps(command))
-        return time.monotonic()
-
-    @property
-    def frames(self) -> list[dict[str, Any]]:
-        return [frame for _, frame in self.arrivals]
-
-    async def recv(self, wait_s: float = FRAME_WAIT_S) -> dict[str, Any]:
-        frame: dict[str, Any] = json.loads(await asyncio.wait_for(self.ws.recv(), wait_s))
-        self.arrivals.append((time.monotonic(), frame))
-        return frame
-
-    async def until(
-        self, done: Callable[[dict[str, Any]], bool], wait_s: float = FRAME_WAIT_S
-    ) -> list[dict[str, Any]]:
-        """Frames up to and including the first one ``done`` accepts."""
-        frames: list[dict[str, Any]] = []
-        async with asyncio.timeout(wait_s):
-            while True:
-                frames.append(await self.recv(wait_s))
-                if done(frames[-1]):
-                    return frames
-
-    async def turn(self, message: str, wait_s: float = FRAME_WAIT_S) -> list[dict[str, Any]]:
-        await self.send({"type": "prompt", "message": message})
-        return await self.until(lambda f: kind(f) == "turn_ended", wait_s)
-
-
-def kind(frame: dict[str, Any]) -> str:
-    """A frame's type, or for an event frame its event kind."""
-    return str(frame["event"]["kind"] if frame["type"] == "event" else frame["type"])
-
-
-def events(frames: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    return [f["event"] for f in frames if f["type"] == "event" and f["event"]["kind"] == name]
-
-
-def streamed_text(frames: list[dict[str, Any]]) -> str:
-    return "".join(e["text"] for e in events(frames, "text_delta"))
-
-
-@contextlib.asynccontextmanager
-async def ws_session(
-    replica: Replica, sid: str, grant: str
-) -> AsyncIterator[tuple[WsSession, dict[str, Any]]]:
-    """Attach to a session; yields the client and the catch-up frame."""
-    url = replica.url.replace("http", "ws", 1) + agent_url(sid)
-    async with websockets.connect(
-        url, additional_headers={"x-beyond-grant": grant}, open_timeout=FRAME_WAIT_S
-    ) as ws:
-        session = WsSession(ws)
-        catchup = await session.recv()
-        assert catchup["type"] == "catchup"
-        yield session, catchup
-
-
-# -- POST helpers --------------------------------------------------------------------------------
-
-
-def state(client: httpx.Client, sid: str, grant: str) -> dict[str, Any]:
-    response = post(client, sid, grant, {"type": "get_state"})
-    assert response.status_code == 200, response.text
-    data: dict[str, Any] = response.json()["data"]
-    return data
-
-
-def settled_messages(
-    client: httpx.Client, sid: str, grant: str, timeout: float = FRAME_WAIT_S
-) -> list[dict[str, Any]]:
-    """The transcript once no turn is running."""
-    wait_until(lambda: not state(client, sid, grant)["running"], timeout=timeout)
-    messages: list[dict[str, Any]] = post(client, sid, grant, {"type": "get_messages"}).json()[
-        "data"
-    ]["messages"]
-    return messages
 
 
 # -- providers -----------------------------------------------------------------------------------
@@ -309,23 +219,6 @@ def slow_replica(fleet: Fleet) -> Replica:
     return fleet.replica(
         "slow", shard(fleet, "slow"), "--model", "stub:ttft=50ms,per_token=30ms,tokens=300"
     )
-
-
-def turn_outcomes(replica: Replica) -> dict[str, float]:
-    found = re.findall(r'^agent_turns_total\{outcome="(\w+)"\} (\S+)$', replica.scrape(), re.M)
-    return {outcome: float(value) for outcome, value in found}
-
-
-def outcomes_since(replica: Replica, before: dict[str, float], turns: int) -> dict[str, float]:
-    """How many turns ended with each outcome since ``before``, once ``turns`` have ended."""
-
-    def ended() -> dict[str, float] | None:
-        now = turn_outcomes(replica)
-        delta = {k: v - before[k] for k, v in now.items()}
-        return delta if sum(delta.values()) >= turns else None
-
-    counted: dict[str, float] = wait_until(ended)
-    return counted
 
 
 def test_second_prompt_is_409_and_abort_over_post_commits_the_partial_reply(

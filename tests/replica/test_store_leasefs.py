@@ -18,7 +18,7 @@ import pytest
 from fleet_sim.leasefs.mount import mount_leasefs
 from replica.store import SessionStore
 from tests.harness import fleet_at, post, wait_until
-from tests.replica.test_store_processes import DEK, Owner
+from tests.replica.store_owner import DEK, Owner
 from wire.names import parse_session_id
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
