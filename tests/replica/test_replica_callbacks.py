@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +18,10 @@ from fleet_sim.local import Fleet, Replica
 from fleet_sim.ports import free_port
 from replica.keyfiles import read_key_file
 from replica.notify import NotifyKey
-from tests.harness import fleet_at, post, wait_until
+from tests.harness import post, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with fleet_at(tmp_path_factory.mktemp("callbacks")) as fleet:
-        yield fleet
+FLEET_DIR = "callbacks"  # the conftest fleet's directory
 
 
 def self_notifying(fleet: Fleet, name: str, shard: Path, *extra: str) -> Replica:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from tests.replica.support import (
     Receiver,
     events,
     kind,
+    new_sid,
     settled_messages,
     streamed_text,
     ws_session,
@@ -39,7 +39,7 @@ LEASE_S = 1.0
 def test_partitioned_owner_is_fenced_and_told_so(tmp_path: Path) -> None:
     backing = tmp_path / "backing"
     backing.mkdir()
-    sid = f"a07-s1.{secrets.token_urlsafe(8)}"
+    sid = new_sid()
     with (
         mount_leasefs(str(backing), str(tmp_path / "hostA"), "hostA", LEASE_S) as host_a,
         mount_leasefs(str(backing), str(tmp_path / "hostB"), "hostB", LEASE_S) as host_b,
@@ -125,7 +125,7 @@ def test_partitioned_owner_is_fenced_and_told_so(tmp_path: Path) -> None:
 def test_owner_fenced_mid_turn_still_reports_the_run_ended(tmp_path: Path) -> None:
     backing = tmp_path / "backing"
     backing.mkdir()
-    sid = f"a07-s1.{secrets.token_urlsafe(8)}"
+    sid = new_sid()
     receiver = Receiver().start()
     try:
         with (

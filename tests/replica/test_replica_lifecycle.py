@@ -16,7 +16,7 @@ import pytest
 
 from fleet_sim.ports import free_port
 from replica.store import SessionStore
-from tests.harness import Fleet, Replica, fleet_at, post, wait_until
+from tests.harness import Fleet, Replica, post, wait_until
 from tests.replica.support import (
     Receiver,
     events,
@@ -31,13 +31,8 @@ from tests.replica.support import (
 from wire.names import parse_session_id
 
 pytestmark = pytest.mark.slow
+FLEET_DIR = "lifecycle"  # the conftest fleet's directory
 STUB = "stub:ttft=50ms,per_token=20ms,tokens=8"
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with fleet_at(tmp_path_factory.mktemp("lifecycle")) as fleet:
-        yield fleet
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +13,10 @@ import pytest
 import websockets
 
 from replica.locking import lock_is_free
-from tests.harness import Fleet, Replica, agent_url, fleet_at, post, wait_until
+from tests.harness import Fleet, Replica, agent_url, post, wait_until
+from tests.replica.support import new_sid
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with fleet_at(tmp_path_factory.mktemp("fleet")) as fleet:
-        yield fleet
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +27,6 @@ def shard(fleet: Fleet) -> Path:
 @pytest.fixture(scope="module")
 def replica(fleet: Fleet, shard: Path) -> Replica:
     return fleet.replica("r1", {"a07-s1": shard})
-
-
-def new_sid(shard: str = "a07-s1") -> str:
-    return f"{shard}.{secrets.token_urlsafe(8)}"
 
 
 def wait_turn(client: httpx.Client, sid: str, grant: str, messages: int) -> list[dict[str, Any]]:

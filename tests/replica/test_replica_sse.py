@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 import json
-import secrets
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.harness import Fleet, Replica, fleet_at, post, sse_events, wait_until
+from tests.harness import Fleet, Replica, post, sse_events, wait_until
+from tests.replica.support import new_sid
 
 pytestmark = pytest.mark.slow
+FLEET_DIR = "sse"  # the conftest fleet's directory
 EVENTS = "/_beyond/agent/events"
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with fleet_at(tmp_path_factory.mktemp("sse")) as fleet:
-        yield fleet
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +31,6 @@ def replica(fleet: Fleet) -> Replica:
         "--stream-queue-frames",
         "8",
     )
-
-
-def new_sid() -> str:
-    return f"a07-s1.{secrets.token_urlsafe(8)}"
 
 
 def read_events(

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from fleet_sim.local import Proc
-from tests.harness import Fleet, Replica, fleet_at, post, wait_until
+from tests.harness import Fleet, Replica, post, wait_until
 from tests.replica.support import (
     WsSession,
     events,
@@ -33,12 +33,7 @@ from tests.replica.support import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with fleet_at(tmp_path_factory.mktemp("turns")) as fleet:
-        yield fleet
+FLEET_DIR = "turns"  # the conftest fleet's directory
 
 
 @pytest.fixture(scope="module")

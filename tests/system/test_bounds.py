@@ -6,21 +6,15 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
-from collections.abc import Iterator
 
 import httpx
 import pytest
 import websockets
 
-from tests.harness import Fleet, Replica, agent_url, fleet_at, post
+from tests.harness import Fleet, Replica, agent_url, post
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with fleet_at(tmp_path_factory.mktemp("bounds")) as fleet:
-        yield fleet
+FLEET_DIR = "bounds"  # the conftest fleet's directory
 
 
 @pytest.fixture(scope="module")

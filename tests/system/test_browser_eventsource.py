@@ -21,8 +21,9 @@ import httpx
 import pytest
 
 from fleet_sim.ports import free_port
-from fleet_sim.up import LocalFleet, UpConfig, start
+from fleet_sim.up import LocalFleet
 from tests.cdp import Page, chromium, chromium_or_skip
+from tests.system.support import local_fleet
 
 pytestmark = pytest.mark.slow
 
@@ -36,20 +37,8 @@ SNAPSHOT = "window.fleetPage.snapshot()"
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
     chromium_or_skip()
     root = tmp_path_factory.mktemp("browser-fleet")
-    local = start(
-        UpConfig(
-            state_dir=root,
-            listen="127.0.0.1:0",
-            model=MODEL,
-            replicas_per_slice=1,
-            drain_grace_s=2,
-            web_listen="127.0.0.1:0",
-        )
-    )
-    try:
+    with local_fleet(root, MODEL, web_listen="127.0.0.1:0") as local:
         yield local
-    finally:
-        local.stop(drain_timeout_s=10)
 
 
 def restart_edge(local: LocalFleet) -> None:

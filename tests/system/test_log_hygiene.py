@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from fleet_sim.up import LocalFleet, UpConfig, start
+from fleet_sim.up import LocalFleet
+from tests.system.support import local_fleet
 from wire.auth import NOTIFY_TOKEN_PREFIX
 from wire.http import AGENT_PATH, GRANT_HEADER
 
@@ -141,20 +142,8 @@ def _send(url: str, request: bytes, *, half_close: bool) -> bytes:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
-    local = start(
-        UpConfig(
-            state_dir=tmp_path_factory.mktemp("log-hygiene"),
-            listen="127.0.0.1:0",
-            model="mock",
-            replicas_per_slice=1,
-            drain_grace_s=2,
-            log_level="debug",
-        )
-    )
-    try:
+    with local_fleet(tmp_path_factory.mktemp("log-hygiene"), "mock", log_level="debug") as local:
         yield local
-    finally:
-        local.stop(drain_timeout_s=10)
 
 
 def test_no_credential_shape_reaches_a_log(fleet: LocalFleet) -> None:

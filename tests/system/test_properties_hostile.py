@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from replica.segments import (
     segment_name,
 )
 from replica.transcript import Message, Transcript, UnknownMessage
-from tests.harness import Fleet, Replica, fleet_at
+from tests.harness import Fleet, Replica
 from wire.auth import AuthClass
 from wire.target import query_values, split_target
 
@@ -342,12 +341,6 @@ def test_frames_survive_sse_framing_as_the_standard_reads_it(
 # --- a real replica: no 500, no dropped connection -------------------------------------------
 
 SESSIONS = ("a07-s1.fuzzone", "a07-s1.fuzztwo")
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with fleet_at(tmp_path_factory.mktemp("fleet")) as fleet:
-        yield fleet
 
 
 @pytest.fixture(scope="module")

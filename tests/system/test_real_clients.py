@@ -19,8 +19,9 @@ import httpx
 import pytest
 import websockets
 
-from fleet_sim.up import LocalFleet, UpConfig, start
+from fleet_sim.up import LocalFleet
 from tests.harness import wait_until
+from tests.system.support import local_fleet
 
 pytestmark = pytest.mark.slow
 
@@ -29,19 +30,8 @@ MODEL = "stub:ttft=50ms,per_token=20ms,tokens=8"
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
-    local = start(
-        UpConfig(
-            state_dir=tmp_path_factory.mktemp("clients-fleet"),
-            listen="127.0.0.1:0",
-            model=MODEL,
-            replicas_per_slice=1,
-            drain_grace_s=2,
-        )
-    )
-    try:
+    with local_fleet(tmp_path_factory.mktemp("clients-fleet"), MODEL) as local:
         yield local
-    finally:
-        local.stop(drain_timeout_s=10)
 
 
 def command(local: LocalFleet, sid: str, grant: str, body: dict[str, Any]) -> httpx.Response:
