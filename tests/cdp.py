@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,8 @@ from typing import Any
 import httpx
 import pytest
 import websockets
+
+from tests.harness import eventually, eventually_async
 
 FLAGS = (
     "--headless",
@@ -65,11 +66,14 @@ def chromium(profile: Path) -> Iterator[int]:
     )
     try:
         active = profile / "DevToolsActivePort"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (active.exists() and active.read_text().strip()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"chromium did not start: {(profile.parent / 'chromium.log')}")
-            time.sleep(0.05)
+        failed = f"chromium did not start: {(profile.parent / 'chromium.log')}"
+
+        def started() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(failed)
+            return active.exists() and bool(active.read_text().strip())
+
+        eventually(started, timeout=START_TIMEOUT_S, interval=0.05, message=failed)
         yield int(active.read_text().split()[0])
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -143,13 +147,12 @@ class Page:
 
     async def wait_for(self, expression: str, within_s: float = 20.0) -> Any:
         """Poll until ``expression`` is truthy in the page; return its value."""
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
-            value = await self.evaluate(expression)
-            if value:
-                return value
-            await asyncio.sleep(0.1)
-        raise TimeoutError(f"{expression!r} stayed false for {within_s}s")
+        return await eventually_async(
+            lambda: self.evaluate(expression),
+            timeout=within_s,
+            interval=0.1,
+            message=f"{expression!r} stayed false for {within_s}s",
+        )
 
     async def goto(self, url: str) -> None:
         await self.call("Page.navigate", url=url)

@@ -3,16 +3,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 
 from fleet_sim.local import Fleet, Replica, fleet_at
 
-__all__ = ["Fleet", "Replica", "agent_url", "fleet_at", "post", "sse_events", "wait_until"]
+__all__ = [
+    "Fleet",
+    "Replica",
+    "agent_url",
+    "eventually",
+    "eventually_async",
+    "fleet_at",
+    "post",
+    "sse_events",
+]
 
 
 def agent_url(session_id: str, **extra: str) -> str:
@@ -30,14 +41,40 @@ def post(
     return client.post(agent_url(session_id), content=data, headers=hdrs)
 
 
-def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> Any:
+def eventually(
+    predicate: Callable[[], Any],
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    message: str = "condition not met in time",
+) -> Any:
+    """Poll ``predicate`` every ``interval`` seconds until it returns something truthy, and
+    return that; ``TimeoutError(message)`` once ``timeout`` seconds have passed without."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise TimeoutError("condition not met in time")
+    raise TimeoutError(message)
+
+
+async def eventually_async(
+    predicate: Callable[[], Any],
+    timeout: float = 10.0,  # noqa: ASYNC109 - the same bound as eventually's, with its message
+    interval: float = 0.02,
+    message: str = "condition not met in time",
+) -> Any:
+    """:func:`eventually` in an async test: the loop runs between polls, and ``predicate`` may
+    be a coroutine function (its result is awaited) or a plain one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        await asyncio.sleep(interval)
+    raise TimeoutError(message)
 
 
 def sse_events(lines: Sequence[str]) -> list[dict[str, str]]:

@@ -19,6 +19,7 @@ from tests.edge.fakes import (
     session_with_walk,
 )
 from tests.edge.wire_client import send_raw
+from tests.harness import eventually_async
 
 TOKEN = b"bjn_v1.c2VjcmV0LXRva2VuLW5ldmVyLWxvZ2dlZA"
 SID = "a07-s1.job"
@@ -171,10 +172,7 @@ async def test_e4_an_unanswered_callback_is_503_in_time_and_cancelled_upstream()
         started = loop.time()
         status, body = await send_raw(edge.port, callback(b"Bearer " + TOKEN))
         elapsed = loop.time() - started
-        for _ in range(100):
-            if r1.cancelled:
-                break
-            await asyncio.sleep(0.02)
+        await eventually_async(lambda: r1.cancelled, timeout=2.0)
         assert requests(edge, "callback", "timed_out") == 1
     assert status == 503 and b"0.5 s" in body
     assert 0.5 <= elapsed < 2.5

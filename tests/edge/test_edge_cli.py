@@ -15,6 +15,7 @@ import pytest
 from edge.cli import main
 from edge.ring import Ring
 from tests.edge.fakes import FakeReplica, ok
+from tests.harness import eventually_async
 from wire.names import MAX_REPLICA_NAME
 from wire.ring_hash import ring_hash
 
@@ -245,10 +246,11 @@ async def test_serve_reloads_on_sighup_and_drains_on_sigterm(tmp_path: Path) -> 
         write_config(config, replicas)
         proc.send_signal(signal.SIGHUP)
         probe = sorted(to_r3)[0]
-        for _ in range(100):
-            if (await owners(url, [probe]))[probe] == "r3":
-                break
-            await asyncio.sleep(0.05)
+
+        async def moved() -> bool:
+            return (await owners(url, [probe]))[probe] == "r3"
+
+        await eventually_async(moved, timeout=5.0, interval=0.05)
         after = await owners(url, sids)
         assert {s for s in sids if after[s] != before[s]} == to_r3
         assert after == {s: new_ring.owner(s) for s in sids}

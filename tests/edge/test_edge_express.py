@@ -25,6 +25,7 @@ from tests.edge.fakes import (
     session_with_walk,
 )
 from tests.edge.wire_client import connected, read_response
+from tests.harness import eventually_async
 
 pytestmark = pytest.mark.anyio
 
@@ -273,10 +274,10 @@ async def test_a_client_that_leaves_cancels_the_exchange_and_the_replica_sees_it
             w.write(command(SID))
             await asyncio.wait_for(seen.wait(), 5)
             assert edge.in_flight == 1
-        for _ in range(100):
-            if edge.in_flight == 0 and requests(edge, "command", "client_gone") == 1:
-                break
-            await asyncio.sleep(0.02)
+        await eventually_async(
+            lambda: edge.in_flight == 0 and requests(edge, "command", "client_gone") == 1,
+            timeout=2.0,
+        )
         assert edge.in_flight == 0 and requests(edge, "command", "client_gone") == 1
         assert edge.pool.idle_count(replica.url) == 0  # aborted, not pooled
 
@@ -286,11 +287,13 @@ async def test_a_drain_lets_an_exchange_finish_and_cancels_one_past_its_grace() 
         await asyncio.sleep(0.3)
         writer.write(OK_ANSWER)
 
-    async with raw_fleet(answer_ok, slow) as (edge, _), connected(edge.url) as (r, w):
+    async with raw_fleet(answer_ok, slow) as (edge, replica), connected(edge.url) as (r, w):
         w.write(command(SID))
         await read_response(r)
         w.write(command(SID))
-        await asyncio.sleep(0.05)
+        # The replica has the second command: the edge sent it as an express exchange, which a
+        # drain must wait for (a fixed 50 ms let a loaded runner's drain find the edge idle).
+        await eventually_async(lambda: replica.served == 2, timeout=5.0)
         assert edge.expressed == 1 and edge.in_flight == 1
         drained = asyncio.create_task(edge.drain(2.0))
         assert (await read_response(r))[0] == 200
@@ -344,10 +347,7 @@ async def one_express_exchange_held(
     w.write(command(SID))
     await read_response(r)
     w.write(command(SID))
-    for _ in range(100):
-        if len(replica.seen) == 2:
-            break
-        await asyncio.sleep(0.02)
+    await eventually_async(lambda: len(replica.seen) == 2, timeout=2.0)
     assert edge.expressed == 1 and edge.in_flight == 1
 
 

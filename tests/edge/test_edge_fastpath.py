@@ -14,6 +14,7 @@ from edge.fastpath import parse_head, response_head
 from edge.headers import request_head
 from tests.edge.fakes import FakeReplica, fleet, ok, requests
 from tests.edge.wire_client import connected, read_response
+from tests.harness import eventually_async
 
 SID = "a07-s1.fast"
 TARGET = f"/_beyond/agent?session_id={SID}".encode()
@@ -234,15 +235,18 @@ async def test_draining_closes_idle_fast_connections_and_finishes_busy_ones() ->
         await asyncio.sleep(0.3)
         return web.Response(body=b"late")
 
+    replica = FakeReplica("r1", slow)
     async with (
-        fleet(FakeReplica("r1", slow), drain_grace_s=5.0) as edge,
+        fleet(replica, drain_grace_s=5.0) as edge,
         connected(edge.url) as (idle_r, idle_w),
         connected(edge.url) as (busy_r, busy_w),
     ):
         idle_w.write(command())
         assert (await read_response(idle_r))[2] == b"late"
         busy_w.write(command())
-        await asyncio.sleep(0.05)
+        # The replica has the busy connection's command, so the edge is serving it: a drain
+        # finds that connection busy (a fixed 50 ms let a loaded runner's drain see it idle).
+        await eventually_async(lambda: len(replica.seen) == 2, timeout=5.0)
         drained = asyncio.create_task(edge.drain())
         assert await asyncio.wait_for(idle_r.read(), 2) == b""
         status, fields, body = await read_response(busy_r)

@@ -21,6 +21,7 @@ from tests.edge.fakes import (
     script,
     session_with_walk,
 )
+from tests.harness import eventually_async
 
 NAMES = ("r1", "r2", "r3")
 
@@ -152,17 +153,11 @@ async def test_a_client_that_leaves_cancels_the_replica_request() -> None:
     only = FakeReplica("r1", hang())
     async with fleet(only) as edge, aiohttp.ClientSession() as client:
         task = asyncio.create_task(client.post(agent(edge.url, "a07-s1.x"), data=b"{}"))
-        for _ in range(50):
-            if only.seen:
-                break
-            await asyncio.sleep(0.02)
+        await eventually_async(lambda: only.seen, timeout=1.0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(50):
-            if only.cancelled:
-                break
-            await asyncio.sleep(0.02)
+        await eventually_async(lambda: only.cancelled, timeout=1.0)
         assert only.cancelled == 1 and edge.in_flight == 0
 
 

@@ -19,6 +19,7 @@ from tests.edge.fakes import (
     requests,
 )
 from tests.edge.wire_client import send_raw
+from tests.harness import eventually_async
 
 
 async def get(url: str, method: str = "GET", **kw: object) -> tuple[int, bytes]:
@@ -121,10 +122,7 @@ async def test_over_the_concurrency_limit_requests_are_shed() -> None:
         first = asyncio.create_task(
             get(edge.url + "/_beyond/agent?session_id=a07-s1.x", "POST", data=b"{}")
         )
-        for _ in range(100):
-            if r1.seen:
-                break
-            await asyncio.sleep(0.02)
+        await eventually_async(lambda: r1.seen, timeout=2.0)
         assert (await get(edge.url + "/_beyond/agent?session_id=a07-s1.y", "POST", data=b"{}"))[
             0
         ] == 503
@@ -140,10 +138,7 @@ async def test_drain_lets_work_in_progress_finish_and_refuses_new_connections() 
         in_flight = asyncio.create_task(
             get(edge.url + "/_beyond/agent?session_id=a07-s1.x", "POST", data=b"{}")
         )
-        for _ in range(100):
-            if r1.seen:
-                break
-            await asyncio.sleep(0.02)
+        await eventually_async(lambda: r1.seen, timeout=2.0)
         drained = asyncio.create_task(edge.drain(5.0))
         await asyncio.sleep(0.05)
         assert edge.state is ServerState.DRAINING
@@ -162,19 +157,13 @@ async def test_drain_past_its_grace_cancels_what_is_left() -> None:
         stuck = asyncio.create_task(
             get(edge.url + "/_beyond/agent?session_id=a07-s1.x", "POST", data=b"{}")
         )
-        for _ in range(100):
-            if r1.seen:
-                break
-            await asyncio.sleep(0.02)
+        await eventually_async(lambda: r1.seen, timeout=2.0)
         started = loop.time()
         await edge.drain(0.2)
         assert loop.time() - started < 3.0
         with pytest.raises(aiohttp.ClientError):
             await stuck
-        for _ in range(100):
-            if r1.cancelled:
-                break
-            await asyncio.sleep(0.02)
+        await eventually_async(lambda: r1.cancelled, timeout=2.0)
     assert r1.cancelled == 1
 
 

@@ -18,16 +18,9 @@ from tests.edge.fakes import (
     script,
     session_with_walk,
 )
+from tests.harness import eventually_async
 
 PATH = "/_beyond/agent?session_id=a07-s1.x&tenant=t1"
-
-
-async def until(predicate: object, seconds: float = 3.0) -> None:
-    for _ in range(int(seconds / 0.02)):
-        if callable(predicate) and predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached in time")
 
 
 @pytest.mark.anyio
@@ -44,7 +37,9 @@ async def test_frames_relay_both_ways_with_grant_and_subprotocol() -> None:
             assert await ws.receive_str(timeout=2) == 'echo:{"type": "get_state"}'
             await ws.send_bytes(b"\x00\x01\x02")
             assert await ws.receive_bytes(timeout=2) == b"\x02\x01\x00"
-        await until(lambda: sample(edge, "edge_open_streams", kind="websocket") == 0)
+        await eventually_async(
+            lambda: sample(edge, "edge_open_streams", kind="websocket") == 0, timeout=3.0
+        )
         assert sample(edge, "edge_requests_total", kind="websocket", outcome="delivered") == 1
     (seen,) = r1.seen
     assert seen.header("x-beyond-grant") == [b"g.r.ant"] and seen.raw_target == PATH
@@ -61,7 +56,7 @@ async def test_the_clients_close_code_reaches_the_replica() -> None:
         assert await ws.receive_str(timeout=2) == "echo:hello"
         await ws.close(code=4000, message=b"client done")
         assert ws.close_code == 4000
-        await until(lambda: r1.ws.close_code is not None)
+        await eventually_async(lambda: r1.ws.close_code is not None, timeout=3.0)
     assert r1.ws.close_code == 4000
 
 
@@ -176,7 +171,7 @@ async def test_edge_shutdown_closes_relayed_sockets_with_1001() -> None:
         msg = await ws.receive(timeout=3)
         assert (msg.type, msg.data) == (WSMsgType.CLOSE, 1001)
         await ws.close()
-        await until(lambda: r1.ws.close_code is not None)
+        await eventually_async(lambda: r1.ws.close_code is not None, timeout=3.0)
     assert r1.ws.close_code == 1001
 
 

@@ -18,7 +18,7 @@ import httpx
 import websockets
 from aiohttp import web
 
-from tests.harness import Replica, agent_url, post, wait_until
+from tests.harness import Replica, agent_url, eventually, post
 
 FRAME_WAIT_S = 10.0
 
@@ -109,7 +109,7 @@ def settled_messages(
     client: httpx.Client, sid: str, grant: str, timeout: float = FRAME_WAIT_S
 ) -> list[dict[str, Any]]:
     """The transcript once no turn is running."""
-    wait_until(lambda: not state(client, sid, grant)["running"], timeout=timeout)
+    eventually(lambda: not state(client, sid, grant)["running"], timeout=timeout)
     messages: list[dict[str, Any]] = post(client, sid, grant, {"type": "get_messages"}).json()[
         "data"
     ]["messages"]
@@ -132,7 +132,7 @@ def outcomes_since(replica: Replica, before: dict[str, float], turns: int) -> di
         delta = {k: v - before[k] for k, v in now.items()}
         return delta if sum(delta.values()) >= turns else None
 
-    counted: dict[str, float] = wait_until(ended)
+    counted: dict[str, float] = eventually(ended)
     return counted
 
 

@@ -35,6 +35,7 @@ from replica.model_types import (
 from replica.store import SessionStore
 from replica.tools import NotifyTarget
 from replica.transcript import Message
+from tests.harness import eventually_async
 from wire.names import parse_session_id
 
 pytestmark = pytest.mark.anyio
@@ -315,11 +316,13 @@ async def test_abort_commits_the_partial_text(rig: Rig) -> None:
     task = asyncio.create_task(run_turn(rig.live, "talk", "r1", rig.deps(model)))
     rig.live.turn_task = task
     deltas: list[str] = []
-    for _ in range(200):
+
+    def three_deltas() -> bool:
+        nonlocal deltas
         deltas += [f["event"]["text"] for f in rig.frames() if kinds([f]) == ["text_delta"]]
-        if len(deltas) >= 3:
-            break
-        await asyncio.sleep(0.01)
+        return len(deltas) >= 3
+
+    await eventually_async(three_deltas, timeout=2.0, interval=0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -344,10 +347,7 @@ async def test_abort_commits_the_partial_text(rig: Rig) -> None:
 async def test_abort_during_a_tool_call_answers_it(rig: Rig) -> None:
     rig.sandbox.hang = True
     task = asyncio.create_task(run_turn(rig.live, "run: sleep 1000", "r1", rig.deps(MockModel())))
-    for _ in range(200):
-        if rig.sandbox.commands:
-            break
-        await asyncio.sleep(0.01)
+    await eventually_async(lambda: rig.sandbox.commands, timeout=2.0, interval=0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

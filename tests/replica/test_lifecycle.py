@@ -11,6 +11,7 @@ from aiohttp import web
 
 from fleet_sim.ports import free_port
 from replica.lifecycle import Lifecycle, LifecycleConfig
+from tests.harness import eventually_async
 
 pytestmark = pytest.mark.anyio
 
@@ -170,10 +171,7 @@ async def test_one_bad_event_does_not_stop_delivery(receiver: Receiver) -> None:
     lifecycle.emit({"type": "run", "bad": object()})
     lifecycle.emit({"type": "run", "n": 2})
     try:
-        for _ in range(50):
-            if receiver.received:
-                break
-            await asyncio.sleep(0.01)
+        await eventually_async(lambda: receiver.received, timeout=0.5, interval=0.01)
         assert receiver.received == [{"type": "run", "n": 2}]
     finally:
         with contextlib.suppress(TypeError):

@@ -18,6 +18,7 @@ from replica.probes import (
     probe_file_name,
     write_probe,
 )
+from tests.harness import eventually_async
 
 pytestmark = pytest.mark.anyio
 
@@ -46,11 +47,12 @@ def hung() -> Iterator[Hung]:
 
 
 async def wait_no_threads(name: str) -> None:
-    for _ in range(200):
-        if not probe_threads(name):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("probe thread did not finish")
+    await eventually_async(
+        lambda: not probe_threads(name),
+        timeout=2.0,
+        interval=0.01,
+        message="probe thread did not finish",
+    )
 
 
 async def test_hung_mount_answers_within_the_deadline_and_starts_no_threads(

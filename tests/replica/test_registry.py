@@ -17,6 +17,7 @@ from replica.locking import lock_is_free
 from replica.metrics import ReplicaMetrics
 from replica.registry import Registry
 from replica.store import LOCK_FILE, OwnedSession, SessionStore, StoreConfig
+from tests.harness import eventually_async
 from wire.names import SessionId, Shard, parse_session_id, parse_shard
 
 pytestmark = pytest.mark.anyio
@@ -75,11 +76,12 @@ async def make_rig(tmp_path: Path, **options: Any) -> Rig:
 
 async def gone(rig: Rig, sid: str) -> None:
     """Wait (bounded) until a close that was started has finished and dropped the session."""
-    for _ in range(200):
-        if sid not in rig.registry.sessions:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{sid} was not closed")
+    await eventually_async(
+        lambda: sid not in rig.registry.sessions,
+        timeout=2.0,
+        interval=0.01,
+        message=f"{sid} was not closed",
+    )
 
 
 @pytest.fixture
@@ -149,10 +151,9 @@ async def test_placement_survives_the_requester_going_away(rig: Rig) -> None:
     request.cancel()
     with pytest.raises(asyncio.CancelledError):
         await request
-    for _ in range(100):
-        if "a07-s1.gone" in rig.registry.sessions:
-            break
-        await asyncio.sleep(0.01)
+    await eventually_async(
+        lambda: "a07-s1.gone" in rig.registry.sessions, timeout=1.0, interval=0.01
+    )
     # The open finished and is held by the registry (to be reaped), not leaked by a thread.
     assert "a07-s1.gone" in rig.registry.sessions
     assert not lock_is_free(rig.lock_path("a07-s1.gone"))

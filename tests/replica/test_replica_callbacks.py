@@ -18,7 +18,7 @@ from fleet_sim.local import Fleet, Replica
 from fleet_sim.ports import free_port
 from replica.keyfiles import read_key_file
 from replica.notify import NotifyKey
-from tests.harness import post, wait_until
+from tests.harness import eventually, post
 
 pytestmark = pytest.mark.slow
 FLEET_DIR = "callbacks"  # the conftest fleet's directory
@@ -52,12 +52,12 @@ def test_the_holder_tells_a_jobs_end_once(fleet: Fleet, tmp_path: Path) -> None:
     grant = fleet.grant("acme", sid)
     with replica.client() as client:
         post(client, sid, grant, {"type": "prompt", "message": "bg: sleep 0.3; echo job-done"})
-        ended = wait_until(lambda: notices(client, sid, grant), timeout=15)
+        ended = eventually(lambda: notices(client, sid, grant), timeout=15)
         assert len(ended) == 1 and "exited with status 0" in ended[0]["content"]
         job_id = ended[0]["job_end"]["job_id"]
         # The model reads the job's output on a later turn, from where it left off.
         post(client, sid, grant, {"type": "prompt", "message": f"read: {job_id} 0"})
-        wait_until(
+        eventually(
             lambda: any(
                 "job-done" in m["content"]
                 for m in messages(client, sid, grant)
@@ -147,18 +147,18 @@ def test_a_job_that_ends_after_the_session_was_reaped_is_told_on_reopen(
             lock = tmp_path / "s1" / "acme" / "sessions" / sid / "lock"
             from replica.locking import lock_is_free
 
-            wait_until(lambda: lock_is_free(lock), timeout=10)  # reaped while the job runs
+            eventually(lambda: lock_is_free(lock), timeout=10)  # reaped while the job runs
 
             def handed_off() -> bool:
                 loop.run_until_complete(asyncio.sleep(0.05))
                 return any(e.get("type") == "job_ended" for e in receiver.events)
 
-            wait_until(handed_off, timeout=15)
+            eventually(handed_off, timeout=15)
             event = next(e for e in receiver.events if e.get("type") == "job_ended")
             assert event["session_id"] == sid and event["tenant"] == "acme"
             # The control plane's wake: opening the session reads the sandbox's jobs back.
             assert post(client, sid, grant, {"type": "get_state"}).status_code == 200
-            told = wait_until(lambda: notices(client, sid, grant), timeout=15)
+            told = eventually(lambda: notices(client, sid, grant), timeout=15)
             assert len(told) == 1 and "exited with status 0" in told[0]["content"]
         assert 'agent_job_callbacks_total{outcome="handed_off"} 1.0' in replica.scrape()
     finally:

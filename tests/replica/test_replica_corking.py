@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from replica.corking import CorkedHttp, HeldHead
+from tests.harness import eventually_async
 
 pytestmark = pytest.mark.anyio
 
@@ -58,12 +59,9 @@ async def serving() -> AsyncIterator[tuple[str, int]]:
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
-    for _ in range(500):
-        if server.started:
-            break
-        await asyncio.sleep(0.01)
-    else:
-        raise AssertionError("uvicorn did not start")
+    await eventually_async(
+        lambda: server.started, timeout=5.0, interval=0.01, message="uvicorn did not start"
+    )
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield "127.0.0.1", port

@@ -20,7 +20,7 @@ import websockets
 from fleet_sim.leasefs.mount import mount_leasefs
 from replica.keyfiles import write_key_file
 from replica.store import SessionStore
-from tests.harness import fleet_at, post, wait_until
+from tests.harness import eventually, fleet_at, post
 from tests.replica.support import (
     Receiver,
     events,
@@ -61,7 +61,7 @@ def test_partitioned_owner_is_fenced_and_told_so(tmp_path: Path) -> None:
                         return statuses[-1] == 200
 
                     # Blocking calls are fine here: A's frames wait in its queue meanwhile.
-                    wait_until(taken, timeout=20, interval=0.2)
+                    eventually(taken, timeout=20, interval=0.2)
                     message = {"type": "prompt", "message": "after the takeover"}
                     assert post(client, sid, grant, message).status_code == 202
                     settled_messages(client, sid, grant)
@@ -151,7 +151,7 @@ def test_owner_fenced_mid_turn_still_reports_the_run_ended(tmp_path: Path) -> No
                     frames = await ws.until(lambda f: kind(f) == "text_delta")
                     host_a.control.partition()  # the reply streams on; its commit cannot land
                     with b.client() as client:
-                        wait_until(
+                        eventually(
                             lambda: (
                                 post(client, sid, grant, {"type": "get_state"}).status_code == 200
                             ),
@@ -176,9 +176,9 @@ def test_owner_fenced_mid_turn_still_reports_the_run_ended(tmp_path: Path) -> No
             def phases() -> list[str]:
                 return [e["phase"] for e in receiver.for_session(sid) if e.get("run_id") == run_id]
 
-            assert wait_until(phases, timeout=5)[0] == "started"
+            assert eventually(phases, timeout=5)[0] == "started"
             try:
-                ended = wait_until(lambda: phases()[1:], timeout=3)
+                ended = eventually(lambda: phases()[1:], timeout=3)
             except TimeoutError:
                 raise AssertionError(
                     f"no run event after the owner was fenced: {phases()}"

@@ -16,7 +16,7 @@ import pytest
 
 from fleet_sim.ports import free_port
 from replica.store import SessionStore
-from tests.harness import Fleet, Replica, post, wait_until
+from tests.harness import Fleet, Replica, eventually, post
 from tests.replica.support import (
     Receiver,
     events,
@@ -99,7 +99,7 @@ def test_run_events_for_succeeded_failed_and_aborted_turns(
     ):
         base = {"type": "run", "session_id": sid, "tenant": "acme", "run_id": run_id}
         expected += [{**base, "phase": "started"}, {**base, "phase": phase, "reason": reason}]
-    wait_until(lambda: len(receiver.for_session(sid)) >= len(expected), timeout=10)
+    eventually(lambda: len(receiver.for_session(sid)) >= len(expected), timeout=10)
     assert receiver.for_session(sid) == expected
 
 
@@ -145,7 +145,7 @@ def test_new_session_archives_into_a_sibling_and_names_the_next_conversation(
         got = [e for e in receiver.for_session(sid) if e["type"] != "run"]
         return got if len(got) >= 3 else None
 
-    named_first, archived_event, named_again = wait_until(lifecycle, timeout=10)
+    named_first, archived_event, named_again = eventually(lifecycle, timeout=10)
     assert named_first == {
         "type": "session_named",
         "session_id": sid,
@@ -223,5 +223,5 @@ def test_a_receiver_that_is_down_costs_events_not_turns(fleet: Fleet) -> None:
     assert took < 2.0
     assert [m["content"] for m in messages[1::2]] == ["ok: turn 0", "ok: turn 1", "ok: turn 2"]
     sample = 'agent_lifecycle_dropped_total{reason="undeliverable"}'
-    wait_until(lambda: counter(down.scrape(), sample) >= 1, timeout=10, interval=0.2)
+    eventually(lambda: counter(down.scrape(), sample) >= 1, timeout=10, interval=0.2)
     assert 'agent_turns_total{outcome="succeeded"} 3.0' in down.scrape()

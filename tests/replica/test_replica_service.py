@@ -13,7 +13,7 @@ import pytest
 import websockets
 
 from replica.locking import lock_is_free
-from tests.harness import Fleet, Replica, agent_url, post, wait_until
+from tests.harness import Fleet, Replica, agent_url, eventually, post
 from tests.replica.support import new_sid
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def wait_turn(client: httpx.Client, sid: str, grant: str, messages: int) -> list
         ]["messages"]
         return got
 
-    result: list[dict[str, Any]] = wait_until(done)
+    result: list[dict[str, Any]] = eventually(done)
     return result
 
 
@@ -176,7 +176,7 @@ def test_lock_held_elsewhere_is_503_then_free_after_reap(fleet: Fleet, shard: Pa
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert "open on another replica" in refused.text
         lock = shard / "acme" / "sessions" / sid / "lock"
-        wait_until(lambda: lock_is_free(lock), timeout=10)  # the idle reaper released it
+        eventually(lambda: lock_is_free(lock), timeout=10)  # the idle reaper released it
         state = post(b, sid, grant, {"type": "get_state"})
         assert state.status_code == 200 and state.json()["data"]["epoch"] == 2
     assert 'agent_refusals_total{reason="unavailable"} 1.0' in other.scrape()
@@ -216,7 +216,7 @@ def test_drain_keeps_serving_what_it_owns(fleet: Fleet, tmp_path: Path) -> None:
             post(client, owned, grant, {"type": "prompt", "message": "long one"}).status_code == 202
         )
         draining.drain()
-        wait_until(lambda: client.get("/readyz").status_code == 503)
+        eventually(lambda: client.get("/readyz").status_code == 503)
         assert client.get("/livez").status_code == 200
         refused = post(
             client, fresh, fleet.grant("acme", fresh, sandbox=False), {"type": "get_state"}

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import Fleet, Replica, post, sse_events, wait_until
+from tests.harness import Fleet, Replica, eventually, post, sse_events
 from tests.replica.support import new_sid
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def read_events(
 
 def finished_turn(client: httpx.Client, sid: str, grant: str) -> None:
     assert post(client, sid, grant, {"type": "prompt", "message": "first"}).status_code == 202
-    wait_until(
+    eventually(
         lambda: not post(client, sid, grant, {"type": "get_state"}).json()["data"]["running"]
     )
 
@@ -121,7 +121,7 @@ def test_resume_from_last_event_id_and_since_and_409(fleet: Fleet, replica: Repl
         finished_turn(client, sid, grant)
         first_leaf = post(client, sid, grant, {"type": "get_state"}).json()["data"]["leaf_id"]
         assert post(client, sid, grant, {"type": "prompt", "message": "again"}).status_code == 202
-        wait_until(
+        eventually(
             lambda: not post(client, sid, grant, {"type": "get_state"}).json()["data"]["running"]
         )
         unknown = client.get(
@@ -188,7 +188,7 @@ def test_a_reader_that_falls_behind_is_told_to_reconnect(fleet: Fleet, tmp_path:
     try:
         with fast.client() as client:
             post(client, sid, grant, {"type": "prompt", "message": "flood"})
-            wait_until(
+            eventually(
                 lambda: (
                     not post(client, sid, grant, {"type": "get_state"}).json()["data"]["running"]
                 ),
@@ -212,7 +212,7 @@ def test_detaching_stops_nothing(fleet: Fleet, replica: Replica) -> None:
     with replica.client() as client:
         post(client, sid, grant, {"type": "prompt", "message": "keep going"})
         read_events(replica, sid, grant, until='"text_delta"')  # attach, then drop mid-turn
-        wait_until(
+        eventually(
             lambda: post(client, sid, grant, {"type": "get_state"}).json()["data"]["messages"] == 2
         )
         messages: list[dict[str, Any]] = post(client, sid, grant, {"type": "get_messages"}).json()[

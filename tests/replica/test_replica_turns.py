@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from fleet_sim.local import Proc
-from tests.harness import Fleet, Replica, post, wait_until
+from tests.harness import Fleet, Replica, eventually, post
 from tests.replica.support import (
     WsSession,
     events,
@@ -183,7 +183,7 @@ def test_background_job_outlives_its_session_and_is_read_elsewhere(fleet: Fleet)
         assert tool["background"] is True and tool["content"] == f"started background job {job_id}"
         assert messages[3]["content"] == f"result: started background job {job_id}"
         # Nobody is attached: the first replica reaps the session and lets go of its lock.
-        wait_until(lambda: "agent_sessions_reaped_total 1.0" in first.scrape(), timeout=10)
+        eventually(lambda: "agent_sessions_reaped_total 1.0" in first.scrape(), timeout=10)
         with httpx.Client(timeout=10, headers=exec_headers) as sandbox:
             job = sandbox.get(f"{exec_url}/jobs/{job_id}").json()
             assert job["status"] == "running" and job["command"] == command

@@ -34,6 +34,7 @@ from replica.sandbox_client import (
     SandboxUnavailable,
     new_http_client,
 )
+from tests.harness import eventually_async
 
 SECRET = b"c" * 32
 
@@ -90,10 +91,11 @@ async def test_job_lifecycle_through_the_client(tmp_path: Path) -> None:
     async with sandbox_service(tmp_path) as base, client(base) as sandbox:
         done = await sandbox.start_job("printf 'one two three'")
         assert isinstance(done, JobInfo) and done.status is JobStatus.RUNNING
-        deadline = time.monotonic() + 10
-        while (await sandbox.job(done.job_id)).running:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+
+        async def job_ended() -> bool:
+            return not (await sandbox.job(done.job_id)).running
+
+        await eventually_async(job_ended, timeout=10)
         finished = await sandbox.job(done.job_id)
         assert (finished.status, finished.exit_code, finished.output_bytes) == (
             JobStatus.EXITED,
@@ -130,10 +132,7 @@ async def test_start_job_passes_the_notify_target(tmp_path: Path) -> None:
         notify_url = f"http://127.0.0.1:{runner.addresses[0][1]}/_beyond/agent"
         async with sandbox_service(tmp_path) as base, client(base) as sandbox:
             await sandbox.start_job("true", notify_url=notify_url, notify_token="bjn_v1.abc")
-            deadline = time.monotonic() + 10
-            while not seen:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
+            await eventually_async(lambda: seen, timeout=10)
             with pytest.raises(SandboxBadRequest):
                 await sandbox.start_job("true", notify_url=notify_url)
     finally:

@@ -17,7 +17,7 @@ import pytest
 
 from fleet_sim.leasefs.mount import mount_leasefs
 from replica.store import SessionStore
-from tests.harness import fleet_at, post, wait_until
+from tests.harness import eventually, fleet_at, post
 from tests.replica.store_owner import DEK, Owner
 from wire.names import parse_session_id
 
@@ -40,7 +40,7 @@ def test_takeover_after_partition_and_the_old_owner_fails(tmp_path: Path) -> Non
             assert b("open").get("error") == "LockHeld"
             host_a.control.partition()
             started = time.monotonic()
-            opened = wait_until(lambda: b("open").get("epoch"), timeout=15, interval=0.1)
+            opened = eventually(lambda: b("open").get("epoch"), timeout=15, interval=0.1)
             waited = time.monotonic() - started
             assert opened == 2 and waited >= LEASE_S * 0.8
             assert b("commit", tag="t2")["ok"]
@@ -81,7 +81,7 @@ def test_hung_mount_is_reported_fast_and_leaks_no_threads(tmp_path: Path) -> Non
             mount.control.hang()
             hung_at = time.monotonic()
             # A verdict may be cached for up to 2 s, and a probe is given 1 s.
-            wait_until(lambda: client.get("/readyz", timeout=5).status_code == 503, timeout=5)
+            eventually(lambda: client.get("/readyz", timeout=5).status_code == 503, timeout=5)
             assert time.monotonic() - hung_at < 3.5
             timings = []
             for _ in range(20):
@@ -95,7 +95,7 @@ def test_hung_mount_is_reported_fast_and_leaks_no_threads(tmp_path: Path) -> Non
             assert max(timings) < 1.6
             assert after - before <= 1  # one probe thread stuck in the kernel, no more
             mount.control.ok()
-            wait_until(lambda: client.get("/readyz").status_code == 200, timeout=10)
+            eventually(lambda: client.get("/readyz").status_code == 200, timeout=10)
             assert threads() <= before + 1
             with httpx.Client(base_url=replica.url, timeout=10) as again:
                 assert post(again, sid, grant, {"type": "get_state"}).status_code == 200

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.harness import wait_until
+from tests.harness import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +131,7 @@ def start_up(cwd: Path, *extra: str) -> Up:
     )
     up = Up(cwd, proc, out)
     try:
-        wait_until(lambda: proc.poll() is not None or "export GRANT=" in up.printed(), 120)
+        eventually(lambda: proc.poll() is not None or "export GRANT=" in up.printed(), 120)
         assert proc.poll() is None, up.printed()
     except BaseException:
         up.stop()
@@ -159,7 +159,7 @@ def test_a_killed_process_is_reported_and_started_again_where_it_was(up: Up, nam
     done = up.fault("kill", name)
     assert done.returncode == 0, done.stderr
     assert f"killed {name} (pid {old_pid}) with SIGKILL" in done.stdout
-    wait_until(lambda: _restarted(up, name, 1), 60)
+    eventually(lambda: _restarted(up, name, 1), 60)
     after = up.state()
     assert up.status()[name]["pid"] != old_pid
     assert f"{name} ({'replica' if name == 'r3' else name}) was killed by SIGKILL (log: " in (
@@ -182,7 +182,7 @@ def test_a_killed_process_is_reported_and_started_again_where_it_was(up: Up, nam
 def test_the_session_goes_on_after_its_owner_is_killed(up: Up) -> None:
     session_id, grant = up.session()
     assert up.chat(session_id, grant, "first").returncode == 0
-    owner = wait_until(lambda: up.owner(session_id), 10)
+    owner = eventually(lambda: up.owner(session_id), 10)
     done = up.fault("kill", owner[0])
     assert done.returncode == 0, done.stderr
     chat = up.chat(session_id, grant, "second\nrun: echo after-the-kill")
@@ -190,7 +190,7 @@ def test_the_session_goes_on_after_its_owner_is_killed(up: Up) -> None:
     assert "[result] after-the-kill" in chat.stdout
     # Whoever holds it now (a survivor, or the killed replica started again) holds it at a new
     # epoch: the killed owner's segment is sealed.
-    wait_until(lambda: (now := up.owner(session_id)) is not None and now[1] > owner[1], 10)
+    eventually(lambda: (now := up.owner(session_id)) is not None and now[1] > owner[1], 10)
 
 
 def test_freeze_thaw_and_drain(up: Up) -> None:
@@ -205,7 +205,7 @@ def test_freeze_thaw_and_drain(up: Up) -> None:
     restarts = int(up.status()["r2"]["restarts"])
     done = up.fault("drain", "r2")
     assert done.returncode == 0 and "SIGTERM" in done.stdout
-    wait_until(lambda: _restarted(up, "r2", restarts + 1), 60)
+    eventually(lambda: _restarted(up, "r2", restarts + 1), 60)
     assert "r2 (replica) exited with status 0" in up.printed()
 
 
@@ -234,20 +234,20 @@ def test_restart_never_leaves_a_dead_process_down_until_asked(tmp_path: Path) ->
     try:
         pid = up.status()["r1"]["pid"]
         assert up.fault("kill", "r1").returncode == 0
-        wait_until(lambda: up.status()["r1"]["state"] == "down", 30)
+        eventually(lambda: up.status()["r1"]["state"] == "down", 30)
         assert "r1 (replica) was killed by SIGKILL" in up.printed()
         assert "left down (--restart never)" in up.printed()
         kill_again = up.fault("kill", "r1")
         assert kill_again.returncode == 1 and "not running (down)" in kill_again.stderr
         url = up.replica("r1")["url"]
         assert up.fault("restart", "r1").returncode == 0
-        wait_until(lambda: _restarted(up, "r1", 1), 60)
+        eventually(lambda: _restarted(up, "r1", 1), 60)
         assert up.status()["r1"]["pid"] != pid
         assert up.replica("r1")["url"] == url
         assert up.replica("r1")["pid"] == int(up.status()["r1"]["pid"])
         # restart of a running process: it drains, then starts at once (no backoff).
         assert up.fault("restart", "edge").returncode == 0
-        wait_until(lambda: _restarted(up, "edge", 1), 60)
+        eventually(lambda: _restarted(up, "edge", 1), 60)
     finally:
         assert up.stop() == 0
 
@@ -260,7 +260,7 @@ def test_a_process_that_cannot_stay_up_stops_the_fleet_with_the_reason(tmp_path:
         assert model_port is not None
         assert up.fault("kill", "model").returncode == 0
         # Its address is taken before the first restart is due (0.5 s), so every start fails.
-        wait_until(lambda: _bind(blocker, model_port), 5, interval=0.005)
+        eventually(lambda: _bind(blocker, model_port), 5, interval=0.005)
         assert up.proc.wait(90) == 1
         printed = up.printed()
         assert "model (model) failed to start" in printed
@@ -297,14 +297,14 @@ def test_up_on_leasefs_names_mounts_and_a_partitioned_owner_is_taken_over(tmp_pa
             )
         session_id, grant = up.session()
         assert up.chat(session_id, grant, "before").returncode == 0
-        owner = wait_until(lambda: up.owner(session_id), 10)
+        owner = eventually(lambda: up.owner(session_id), 10)
         done = up.fault("partition", owner[0])
         assert done.returncode == 0, done.stderr
         assert up.status()[owner[0]]["state"] == "up"  # the process runs on; its storage does not
         chat = up.chat(session_id, grant, "after\nrun: echo taken-over")
         assert chat.returncode == 0, chat.stderr
         assert "[result] taken-over" in chat.stdout
-        moved = wait_until(lambda: up.owner(session_id, other_than=owner[0]), 10)
+        moved = eventually(lambda: up.owner(session_id, other_than=owner[0]), 10)
         assert moved[1] > owner[1]
         assert up.fault("heal", owner[0]).returncode == 0
     finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import wait_until
+from tests.harness import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ def test_up_serves_a_session_through_the_edge_and_stops_on_ctrl_c(tmp_path: Path
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        wait_until(lambda: "export GRANT=" in (tmp_path / "up.out").read_text(), timeout=90)
+        eventually(lambda: "export GRANT=" in (tmp_path / "up.out").read_text(), timeout=90)
         info = json.loads(state.read_text())
         assert len(info["replicas"]) == 6
         assert {r["slice"] for r in info["replicas"]} == {"a07", "a08"}

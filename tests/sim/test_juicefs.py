@@ -42,6 +42,7 @@ from fleet_sim.juicefs.mount import ClientOptions, mount_argv
 from fleet_sim.juicefs.procs import alive, state
 from fleet_sim.juicefs.redis import config_text, url_for
 from fleet_sim.ports import free_port
+from tests.harness import eventually
 
 T = TypeVar("T")
 HEARTBEAT_S = 1.0
@@ -71,16 +72,9 @@ for line in sys.stdin:
 
 
 def wait_for(predicate: Callable[[], T | None], within_s: float, what: str) -> T:
-    """The one polling helper: ``predicate()``'s first truthy value, or fail after
-    ``within_s``."""
-    deadline = time.monotonic() + within_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {within_s:g}s")
-        time.sleep(0.02)
+    """``predicate()``'s first truthy value, or fail after ``within_s`` saying ``what``."""
+    value: T = eventually(predicate, timeout=within_s, message=f"{what}: not within {within_s:g}s")
+    return value
 
 
 class Call:

@@ -33,6 +33,7 @@ from fleet_sim.leasefs.gate import Gate
 from fleet_sim.leasefs.mount import mounted_fstype
 from fleet_sim.leasefs.policy import Action, OpKind, admit, revocation_due, stale_verdict
 from fleet_sim.leasefs.spans import LockType, Span, apply, span_end
+from tests.harness import eventually
 
 LEASE_S = 1.0
 _FLOCK = struct.Struct("@hhqqi4x")
@@ -123,7 +124,7 @@ def test_gate_revokes_once_per_partition_and_wakes_waiters() -> None:
         time.sleep(0.2)
         assert revoked == [] and outcome == [] and gate.snapshot().blocked == 1
         now[0] = 1.5
-        _until(lambda: revoked == [1.5])
+        eventually(lambda: revoked == [1.5], timeout=5.0, interval=0.01)
         time.sleep(0.2)
         assert revoked == [1.5]
         gate.set_mode(Mode.OK)
@@ -140,14 +141,6 @@ def test_missing_fusermount_is_an_error_not_a_skip(monkeypatch: pytest.MonkeyPat
 
 
 # -- helpers for real mounts --------------------------------------------------------------------
-
-
-def _until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
 
 
 def _ofd(fd: int, kind: int = fcntl.F_WRLCK) -> None:
@@ -304,7 +297,7 @@ def test_ofd_locks_conflict_across_and_within_mounts(
         os.close(b1)
         b1 = -1
         # The kernel sends RELEASE after close() returns, so the lock goes just after.
-        _until(lambda: not _ofd_busy(a1))
+        eventually(lambda: not _ofd_busy(a1), timeout=5.0, interval=0.01)
         assert b.control.status().held_locks == 0
     finally:
         for fd in (a1, b1):
@@ -358,7 +351,7 @@ def test_partition_revokes_the_lease_and_old_descriptors_fail_after_heal(
         assert not blocked.finished_within(0.3)
         assert _ofd_busy(other)  # the lease still stands
         started = time.monotonic()
-        _until(lambda: not _ofd_busy(other), timeout_s=LEASE_S + 4)
+        eventually(lambda: not _ofd_busy(other), timeout=LEASE_S + 4, interval=0.01)
         assert time.monotonic() - started < LEASE_S + 4
         status = a.control.status()
         assert (status.mode, status.held_locks, status.revoked_locks) == (Mode.PARTITION, 0, 1)
@@ -507,5 +500,9 @@ def test_a_killed_daemon_leaves_no_mount_behind(tmp_path: Path) -> None:
     with mount:
         assert mount.pid is not None
         os.kill(mount.pid, signal.SIGKILL)
-        _until(lambda: _errno_of(lambda: os.stat(mount.mountpoint)) == errno.ENOTCONN)
+        eventually(
+            lambda: _errno_of(lambda: os.stat(mount.mountpoint)) == errno.ENOTCONN,
+            timeout=5.0,
+            interval=0.01,
+        )
     assert mounted_fstype(mount.mountpoint) is None

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import hmac
@@ -9,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from fleet_sim.sandbox import (
 )
 from fleet_sim.sandbox_jobs import SandboxLimits
 from replica.keyfiles import read_key_file
+from tests.harness import eventually, eventually_async
 
 SECRET = b"k" * 32
 
@@ -51,14 +51,6 @@ def client_for(base: str, name: str) -> tuple[str, httpx.AsyncClient]:
     return url, httpx.AsyncClient(headers=headers, timeout=30.0, trust_env=False)
 
 
-async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
 def workspace(root: Path, name: str) -> str:
     return str(root.resolve() / name / "workspace")
 
@@ -75,7 +67,7 @@ async def wait_dead(pid: int, timeout_s: float = 5.0) -> None:
     async def dead() -> bool:
         return not alive(pid)
 
-    await until(dead, timeout_s)
+    await eventually_async(dead, timeout=timeout_s)
 
 
 async def ended(client: httpx.AsyncClient, url: str, job_id: str) -> dict[str, Any]:
@@ -86,7 +78,7 @@ async def ended(client: httpx.AsyncClient, url: str, job_id: str) -> dict[str, A
         info = (await client.get(f"{url}/jobs/{job_id}")).json()
         return bool(info["status"] != "running")
 
-    await until(check)
+    await eventually_async(check)
     return info
 
 
@@ -282,7 +274,7 @@ async def test_output_reads_from_any_offset_while_running_and_after_exit(tmp_pat
                 first = (await client.get(output)).json()
                 return bool(first["data"] == "abc")
 
-            await until(has_abc)
+            await eventually_async(has_abc)
             assert (first["next_offset"], first["eof"]) == (3, False)
             middle = (await client.get(output, params={"offset": 1, "limit": 1})).json()
             assert (middle["data"], middle["next_offset"], middle["eof"]) == ("b", 2, False)
@@ -313,7 +305,7 @@ async def test_kill_ends_the_job_and_its_process_group(tmp_path: Path) -> None:
             async def child_written() -> bool:
                 return child.exists() and child.read_text().strip().isdigit()
 
-            await until(child_written)
+            await eventually_async(child_written)
             child_pid = int(child.read_text())
             assert alive(child_pid)
             killed = await client.delete(f"{url}/jobs/{job_id}")
@@ -405,7 +397,7 @@ async def test_stopping_the_service_kills_running_jobs(tmp_path: Path) -> None:
                 pid_text = str((await client.get(f"{url}/jobs/{job_id}/output")).json()["data"])
                 return pid_text.endswith("\n")
 
-            await until(has_pid)
+            await eventually_async(has_pid)
     finally:
         await runner.cleanup()
     await wait_dead(int(pid_text))
@@ -429,17 +421,16 @@ def test_command_line_serves_with_a_created_secret_and_stops_on_sigterm(tmp_path
             job = client.post(
                 f"{url}/exec", json={"command": "echo $$; exec sleep 60", "background": True}
             ).json()
-            deadline = time.monotonic() + 10
-            data = ""
-            while not data.endswith("\n") and time.monotonic() < deadline:
-                data = client.get(f"{url}/jobs/{job['job_id']}/output").json()["data"]
-                time.sleep(0.02)
+
+            def first_line() -> str | None:
+                out: str = client.get(f"{url}/jobs/{job['job_id']}/output").json()["data"]
+                return out if out.endswith("\n") else None
+
+            data: str = eventually(first_line, timeout=10)
             assert client.get(f"{base}/_sim/health").json()["running_jobs"] == 1
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=10) == 0
-        deadline = time.monotonic() + 5
-        while alive(int(data)) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        eventually(lambda: not alive(int(data)), timeout=5)
         assert not alive(int(data))
         assert os.stat(root / DEFAULT_SECRET_NAME).st_mode & 0o077 == 0
     finally:

@@ -28,6 +28,7 @@ from fleet_sim.sandbox_notify import (
     next_delay,
     parse_retry_after,
 )
+from tests.harness import eventually_async
 
 TOKEN = "bjn_v1.c2VjcmV0LXRva2VuLXZhbHVl.Zm9v"
 SECRET = b"n" * 32
@@ -83,10 +84,12 @@ async def notifier(policy: NotifyPolicy = FAST) -> AsyncIterator[Notifier]:
 
 
 async def settled(record: DeliveryRecord, timeout_s: float = 10.0) -> DeliveryRecord:
-    deadline = time.monotonic() + timeout_s
-    while record.state is DeliveryState.PENDING or record.finished_at is None:
-        assert time.monotonic() < deadline, "delivery did not finish in time"
-        await asyncio.sleep(0.01)
+    await eventually_async(
+        lambda: record.state is not DeliveryState.PENDING and record.finished_at is not None,
+        timeout=timeout_s,
+        interval=0.01,
+        message="delivery did not finish in time",
+    )
     return record
 
 
@@ -179,10 +182,7 @@ async def test_refused_connections_are_retried_until_the_receiver_listens() -> N
     receiver = Receiver([Answer(200)])
     async with notifier() as running:
         record = send(running, f"http://127.0.0.1:{port}/_beyond/agent?session_id=a07-s1.x")
-        deadline = time.monotonic() + 5
-        while len(record.attempts) < 2:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await eventually_async(lambda: len(record.attempts) >= 2, timeout=5, interval=0.01)
         async with receiving(receiver, port):
             await settled(record)
     assert record.state is DeliveryState.DELIVERED
@@ -271,13 +271,15 @@ async def notifications(base: str) -> tuple[str, list[dict[str, Any]]]:
 
 
 async def settled_on_server(base: str, count: int) -> tuple[str, list[dict[str, Any]]]:
-    deadline = time.monotonic() + 10
-    while True:
+    async def all_settled() -> tuple[str, list[dict[str, Any]]] | None:
         text, listed = await notifications(base)
-        if len(listed) == count and all(item["state"] != "pending" for item in listed):
-            return text, listed
-        assert time.monotonic() < deadline, "notifications did not settle"
-        await asyncio.sleep(0.02)
+        done = len(listed) == count and all(item["state"] != "pending" for item in listed)
+        return (text, listed) if done else None
+
+    found: tuple[str, list[dict[str, Any]]] = await eventually_async(
+        all_settled, timeout=10, message="notifications did not settle"
+    )
+    return found
 
 
 @pytest.mark.anyio
@@ -343,10 +345,12 @@ async def test_a_job_without_notify_posts_nothing(tmp_path: Path) -> None:
         async with httpx.AsyncClient(headers=headers, trust_env=False) as client:
             body = {"command": "true", "background": True, "notify": None}
             job_id = (await client.post(f"{exec_url}/exec", json=body)).json()["job_id"]
-            deadline = time.monotonic() + 5
-            while (await client.get(f"{exec_url}/jobs/{job_id}")).json()["status"] == "running":
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
+
+            async def finished() -> bool:
+                job = (await client.get(f"{exec_url}/jobs/{job_id}")).json()
+                return bool(job["status"] != "running")
+
+            await eventually_async(finished, timeout=5)
         _, listed = await notifications(base)
     finally:
         await runner.cleanup()

@@ -5,7 +5,6 @@ and the stand-in replica records exact bytes and notices a request abandoned by 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -20,6 +19,7 @@ from fleet_sim.sim.rawhttp import callback_request, chunked, request_bytes, send
 from fleet_sim.sim.standin import Backend
 from replica.history import History, SegmentSummary
 from replica.transcript import Message, Transcript
+from tests.harness import eventually
 
 
 def test_told_exactly_once_fails_on_a_missing_or_a_second_notice() -> None:
@@ -95,9 +95,7 @@ def test_the_stand_in_records_exact_bytes_and_sees_a_caller_give_up() -> None:
             asyncio.run(
                 send_raw(url, callback_request("/?session_id=a07-s1.hang", b"x"), timeout_s=0.3)
             )
-        deadline = time.monotonic() + 5
-        while backend.received[-1].cancelled_at is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+        eventually(lambda: backend.received[-1].cancelled_at is not None, timeout=5)
         assert backend.received[-1].cancelled_at is not None
     finally:
         backend.stop()

@@ -29,6 +29,7 @@ from fleet_sim.webui.fleet import (
 )
 from fleet_sim.webui.server import WebConfig, start_webui
 from fleet_sim.webui.takeovers import MAX_TAKEOVERS, Fault, Holding, Seen, Watch
+from tests.harness import eventually_async
 
 SID = "a07-s1.abcdefghijkl"
 TOKEN = "control-token-never-shown"
@@ -307,13 +308,14 @@ async def view(client: httpx.AsyncClient, **params: str) -> dict[str, Any]:
 
 
 async def until(client: httpx.AsyncClient, check: Any, within_s: float = 10.0) -> dict[str, Any]:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
+    async def shown() -> dict[str, Any] | None:
         data = await view(client, session_id=SID)
-        if check(data):
-            return data
-        await asyncio.sleep(0.05)
-    raise TimeoutError("the view never showed it")
+        return data if check(data) else None
+
+    found: dict[str, Any] = await eventually_async(
+        shown, timeout=within_s, interval=0.05, message="the view never showed it"
+    )
+    return found
 
 
 @pytest.mark.anyio

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from tests.cdp import Page, chromium, chromium_or_skip
-from tests.harness import wait_until
+from tests.harness import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        wait_until(lambda: proc.poll() is not None or "export GRANT=" in log.read_text(), 120)
+        eventually(lambda: proc.poll() is not None or "export GRANT=" in log.read_text(), 120)
         assert proc.poll() is None, log.read_text()
         state = json.loads(state_file.read_text())
         yield Up(
@@ -158,7 +158,7 @@ def test_the_view_lists_every_replica_with_its_slice_and_readiness(up: Up) -> No
     with up.client() as client:
         config = client.get("/api/config").json()
         assert config["fleet"] is True
-        view = wait_until(lambda: all_ready(fleet(client)), timeout=20)
+        view = eventually(lambda: all_ready(fleet(client)), timeout=20)
     by_slice: dict[str, list[str]] = {}
     for replica in view["replicas"]:
         by_slice.setdefault(replica["slice"], []).append(replica["name"])
@@ -216,7 +216,7 @@ def test_a_frozen_replica_shows_frozen_without_stalling_the_view_and_thaws(up: U
         try:
             again = client.post("/api/fault", json={"verb": "freeze", "target": "r5"})
             assert again.status_code == 409 and "already frozen" in again.json()["error"]
-            r5 = wait_until(lambda: frozen_r5(fleet(client)), timeout=10)
+            r5 = eventually(lambda: frozen_r5(fleet(client)), timeout=10)
             assert (r5["state"], r5["reach"], r5["live"]) == ("frozen", "not answering", None)
             for _ in range(5):  # each sample waits for r5 only so long
                 started = time.monotonic()
@@ -225,7 +225,7 @@ def test_a_frozen_replica_shows_frozen_without_stalling_the_view_and_thaws(up: U
         finally:
             thawed = client.post("/api/fault", json={"verb": "thaw", "target": "r5"})
         assert thawed.status_code == 200, thawed.text
-        wait_until(lambda: all_ready(fleet(client)), timeout=20)
+        eventually(lambda: all_ready(fleet(client)), timeout=20)
 
 
 def test_killing_the_owner_shows_the_takeover_and_the_new_owner(up: Up) -> None:
@@ -233,7 +233,7 @@ def test_killing_the_owner_shows_the_takeover_and_the_new_owner(up: Up) -> None:
         session_id, grant = attach_session(up, client)
         assert fleet(client, session_id)["session"]["status"] == "closed"
         command(client, session_id, {"type": "prompt", "message": "hello\nwords: 5"})
-        held = wait_until(
+        held = eventually(
             lambda: (s := fleet(client, session_id)["session"])["status"] == "held" and s,
             timeout=20,
         )
@@ -249,12 +249,12 @@ def test_killing_the_owner_shows_the_takeover_and_the_new_owner(up: Up) -> None:
         # the owner started again. The edge holds the command until some replica takes it.
         state = command(client, session_id, {"type": "get_state"})
         assert state["success"], state
-        session = wait_until(
+        session = eventually(
             lambda: (s := fleet(client, session_id)["session"])["takeovers"] and s, timeout=30
         )
         (takeover,) = session["takeovers"]
         # The killed replica is started again by the fleet, and the view shows it back.
-        wait_until(
+        eventually(
             lambda: any(
                 r["name"] == first_owner and r["restarts"] >= 1 and r["badge"] == "ready"
                 for r in fleet(client)["replicas"]

@@ -20,7 +20,7 @@ import pytest
 import websockets
 
 from fleet_sim.up import LocalFleet
-from tests.harness import wait_until
+from tests.harness import eventually
 from tests.system.support import local_fleet
 
 pytestmark = pytest.mark.slow
@@ -111,7 +111,7 @@ def test_curl_reads_the_catchup_and_live_deltas_and_resumes(fleet: LocalFleet) -
     made = fleet.new_session()
     sid, grant = made["session_id"], made["grant"]
     assert command(fleet, sid, grant, {"type": "prompt", "message": "first"}).status_code == 202
-    wait_until(lambda: finished_turns(fleet, sid, grant) == 1, timeout=20)
+    eventually(lambda: finished_turns(fleet, sid, grant) == 1, timeout=20)
     before = messages(fleet, sid, grant)
 
     with curl_stream(fleet, sid, grant) as curl:

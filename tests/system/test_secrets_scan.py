@@ -21,7 +21,7 @@ from fleet_sim.sim.workload import Session, prompt_ws
 from fleet_sim.up import UpConfig, start
 from replica.keyfiles import b64url_encode, read_key_file
 from replica.notify import NotifyKey
-from tests.harness import wait_until
+from tests.harness import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_no_secret_or_plaintext_is_written_anywhere(tmp_path: Path) -> None:
             )
             return any(m["role"] == "event" for m in response.json()["data"]["messages"])
 
-        wait_until(told, timeout=20)  # the job's end came back through edge and replica
+        eventually(told, timeout=20)  # the job's end came back through edge and replica
         # A token of our own, sent through the edge like a sandbox would.
         key = NotifyKey(read_key_file(fleet.fleet.keys_dir / "notify.key", what="notify key"))
         token = key.mint("acme", session.session_id)
