@@ -6,7 +6,7 @@ entry is matched narrowly, by exception type *and* the frame it is raised in (fi
 so a new crash of the same type elsewhere is still a crash. ``found`` says how each was found: by
 a harness, or by reading the code while writing one (those inputs were written by hand, in the
 harness's format, and crash the harness as it stands). The inputs live in
-``tests/corpus/<target>/crash-<key>-<sha1>``; ``tests/test_fuzz.py`` replays each one, xfails
+``tests/corpus/<target>/crash-<key>-<sha1>``; ``tests/system/test_fuzz.py`` replays each one, xfails
 while the bug is there and fails once it is fixed, so the entry here goes with the fix.
 """
 

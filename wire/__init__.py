@@ -17,6 +17,6 @@ What does not: policy. How the edge builds its ring, retries and walks it, and r
 configuration; how a replica verifies a grant, mints a notify token or lays sessions out on a
 shard: each stays with the side that decides it. Modules here are pure (no I/O, no clock, no
 framework; the redaction filter is a standard ``logging.Filter``) and import nothing from
-``edge``, ``replica`` or ``fleet_sim``; ``tests/test_wire_boundaries.py`` holds both sides to
+``edge``, ``replica`` or ``fleet_sim``; ``tests/wire/test_wire_boundaries.py`` holds both sides to
 that.
 """

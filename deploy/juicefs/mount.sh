@@ -173,7 +173,7 @@ validate() {
 }
 
 # The client's command line. Keep it in step with mount_argv() in fleet_sim/juicefs/mount.py:
-# tests/test_deploy_files.py compares the two.
+# tests/system/test_deploy_files.py compares the two.
 mount_argv() {
   ARGV=(
     "$JUICEFS" mount
