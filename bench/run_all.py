@@ -49,6 +49,16 @@ BENCHES: Final = (
     Bench("replica", "bench.replica_bench", ("--quick",), (), 120, 1800),
     Bench("edge", "bench.edge_bench", ("--quick",), (), 150, 1800),
     Bench("ring_lookup", "bench.ring_lookup", ("--ids", "20000"), (), 60, 600),
+    # Quick: one kill on a local directory; full: kill, partition and freeze, three runs each,
+    # on every substrate (about a quarter of an hour).
+    Bench(
+        "takeover",
+        "bench.takeover_bench",
+        ("--substrate", "local-dir", "--repeat", "1"),
+        (),
+        240,
+        3600,
+    ),
 )
 
 
@@ -168,6 +178,11 @@ def run_all(quick: bool, scratch: Path) -> dict[str, Any]:
 # --- the readable copy ----------------------------------------------------------------------------
 
 
+def _is_table(value: Any) -> bool:
+    """A list of rows (dicts), as ``bench.takeover_bench`` reports its figures."""
+    return isinstance(value, list) and bool(value) and all(isinstance(r, dict) for r in value)
+
+
 def _cell(value: Any) -> str:
     if value is None:
         return "null"
@@ -211,9 +226,18 @@ def markdown(results: dict[str, Any]) -> str:
                     f"| {_cell(row['met'])} |"
                 )
             lines.append("")
+        scalars = {k: v for k, v in figures.items() if k != "targets" and not _is_table(v)}
         lines += ["| figure | value |", "|---|---:|"]
-        lines += [f"| `{k}` | {_cell(v)} |" for k, v in figures.items() if k != "targets"]
+        lines += [f"| `{k}` | {_cell(v)} |" for k, v in scalars.items()]
         lines.append("")
+        for key, rows_of in figures.items():
+            if key != "targets" and _is_table(rows_of):
+                columns = [c for c in rows_of[0] if not isinstance(rows_of[0][c], list | dict)]
+                lines += [f"`{key}`:", "", "| " + " | ".join(columns) + " |"]
+                lines.append("|" + "---|" * len(columns))
+                for row in rows_of:
+                    lines.append("| " + " | ".join(_cell(row.get(c)) for c in columns) + " |")
+                lines.append("")
     return "\n".join(lines)
 
 

@@ -76,7 +76,7 @@ def _is_number(value: Any) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(560)
 def test_quick_run_produces_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     done = subprocess.run(
@@ -84,7 +84,7 @@ def test_quick_run_produces_every_figure(tmp_path: Path) -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=540,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -94,7 +94,11 @@ def test_quick_run_produces_every_figure(tmp_path: Path) -> None:
     assert results["machine"]["python"] == sys.version.split()[0]
     assert results["machine"]["kernel"]
     benches = results["benches"]
-    assert set(benches) == {"store", "replica", "edge", "ring_lookup"}
+    assert set(benches) == {"store", "replica", "edge", "ring_lookup", "takeover"}
+    assert benches["takeover"]["status"] == "ok", benches["takeover"]
+    (kill,) = benches["takeover"]["figures"]["takeover"]
+    assert (kill["substrate"], kill["fault"], kill["passed"]) == ("local-dir", "kill", 1)
+    assert _is_number(kill["median_s"]) and _is_number(kill["max_s"])
     expected = {"store": STORE, "replica": REPLICA, "edge": EDGE, "ring_lookup": RING}
     for name, keys in expected.items():
         assert benches[name]["status"] == "ok", benches[name]
