@@ -38,7 +38,11 @@ does per request, so the edge's own cost shows beside the language's floor
   ``/proc/<pid>/stat``), and ``edge_cpu_per_request_over_replica_cpu_per_turn`` against the
   replica's CPU per turn (``bench.replica_bench``, or ``--replica-json`` from its ``--json``).
 
-    python -m bench.edge_bench [--quick] [--json FILE] [--replica-json FILE]
+    python -m bench.edge_bench [--quick] [--json FILE] [--replica-json FILE] [--baseline REV]
+
+``--baseline REV`` adds a route through the edge as it was at git revision ``REV``, started
+from an archive of that revision with the same configuration, so a change to the edge is
+measured before and after in the same run, on the same backends, taking turns with the others.
 
 Figures that cannot be measured (nginx not installable, say) are null with the reason beside
 them, never estimated.
@@ -50,6 +54,7 @@ import argparse
 import json
 import secrets
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -71,7 +76,7 @@ from bench.loadgen import (
     post_once,
 )
 from bench.replica_bench import cpu_seconds, turns_per_cpu_second
-from fleet_sim.local import Fleet, Proc, Replica, listening
+from fleet_sim.local import REPO, Fleet, Proc, Replica, listening
 
 TARGET_ADDED_P50_MS: Final = 0.15
 TARGET_C8_OVER_NGINX: Final = 0.5
@@ -81,7 +86,8 @@ TARGET_CPU_FRACTION_OF_TURN: Final = 0.1
 AGENT_PATH: Final = "/_beyond/agent"
 GET_STATE: Final = b'{"type":"get_state"}'
 PROMPT: Final = b'{"type":"prompt","message":"stream"}'
-ROUTES: Final = ("direct", "edge", "nginx", "pyrelay")
+ROUTES: Final = ("direct", "edge", "nginx", "pyrelay", "baseline")
+PROXIES: Final = ROUTES[1:]
 POST_WORKLOADS: Final = ("post_c1", "post_c8", "fast_c1", "fast_c8")
 VARIED_WORKLOAD: Final = "post_c8_varied"  # through the edge alone
 # A header whose value differs on every request of ``post_c8_varied``, as a request id would.
@@ -121,6 +127,7 @@ class Route:
     replica_url: str
     fast_url: str
     cpu: Callable[[], float] | None
+    pid: int | None = None  # the proxy's process, when it is one of the edge's (streams' CPU)
 
 
 # --- POST workloads -------------------------------------------------------------------------------
@@ -374,7 +381,7 @@ def ws_echo(
         ws.close()
 
 
-def stream_runs(fleet: Fleet, sizes: Sizes, routes: list[Route], edge_pid: int) -> dict[str, Any]:
+def stream_runs(fleet: Fleet, sizes: Sizes, routes: list[Route]) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def grant(sid: str) -> str:
@@ -383,7 +390,7 @@ def stream_runs(fleet: Fleet, sizes: Sizes, routes: list[Route], edge_pid: int) 
     for route in routes:
         if route.name in ("nginx", "pyrelay"):
             continue
-        pid = edge_pid if route.name == "edge" else None
+        pid = route.pid
         ws, ws_cut = _measured_turn(grant, "ws", ws_replica_stream, route.replica_url, pid)
         sse, sse_cut = _measured_turn(grant, "sse", sse_stream, route.replica_url, pid)
         out[f"stream_turns_cut_{route.name}"] = ws_cut + sse_cut
@@ -422,6 +429,31 @@ def _min_relays(fleet: Fleet, root: Path, replica_url: str, fast_url: str) -> Ro
         urls.append(relay.readline().strip())
         pids.append(relay.proc.pid)
     return Route("pyrelay", urls[0], urls[1], lambda: sum(cpu_seconds(p) for p in pids))
+
+
+def _baseline_edge(fleet: Fleet, root: Path, revision: str, config: Path) -> Route:
+    """The edge as it was at ``revision`` (``git archive`` of it, imported ahead of this
+    checkout), serving the same configuration: before and after a change, in one run."""
+    tree = root / "baseline"
+    tree.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", revision],
+        capture_output=True,
+        check=False,
+    )
+    if archive.returncode != 0:
+        raise SystemExit(f"--baseline {revision}: {archive.stderr.decode(errors='replace')}")
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    launch = (
+        "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+        "runpy.run_module('edge', run_name='__main__', alter_sys=True)"
+    )
+    argv = [sys.executable, "-c", launch, str(tree), "serve", "--config", str(config)]
+    proc = Proc([*argv, "--listen", "127.0.0.1:0"], root / "baseline-edge.log").start()
+    fleet.procs.append(proc)
+    url = listening(proc.readline())["url"]
+    pid = proc.proc.pid
+    return Route("baseline", url, url, lambda: cpu_seconds(pid), pid)
 
 
 def _edge_toml(replica_url: str, fast_url: str) -> str:
@@ -474,11 +506,18 @@ def _load_client(choice: str, scratch: Path) -> tuple[LoadClient, str | None]:
     return PythonClient(), missing
 
 
-def run(quick: bool, replica_json: Path | None, root: Path, client_choice: str) -> dict[str, Any]:
+def run(
+    quick: bool,
+    replica_json: Path | None,
+    root: Path,
+    client_choice: str,
+    baseline: str | None = None,
+) -> dict[str, Any]:
     sizes = Sizes.of(quick)
     client, client_note = _load_client(client_choice, root)
     figures: dict[str, Any] = {
         "quick": quick,
+        "baseline": baseline,
         "rounds": sizes.rounds,
         "post_client": client.name,
         "post_client_note": client_note,
@@ -503,8 +542,10 @@ def run(quick: bool, replica_json: Path | None, root: Path, client_choice: str) 
         edge_pid = edge.proc.proc.pid
         routes = [
             Route("direct", replica.url, fast_url, None),
-            Route("edge", edge.url, edge.url, lambda: cpu_seconds(edge_pid)),
+            Route("edge", edge.url, edge.url, lambda: cpu_seconds(edge_pid), edge_pid),
         ]
+        if baseline is not None:
+            routes.append(_baseline_edge(fleet, root, baseline, config))
         if nginx_binary is not None:
             try:
                 nginx = start_nginx(nginx_binary, root / "nginx", replica.url, fast_url)
@@ -516,7 +557,7 @@ def run(quick: bool, replica_json: Path | None, root: Path, client_choice: str) 
         figures["nginx_version"] = nginx.version if nginx else None
         figures["nginx_unavailable"] = nginx_missing if nginx is None else None
         figures.update(post_runs(fleet, client, sizes, routes, replica.url))
-        figures.update(stream_runs(fleet, sizes, routes, edge_pid))
+        figures.update(stream_runs(fleet, sizes, routes))
     finally:
         if nginx is not None:
             nginx.stop()
@@ -540,7 +581,7 @@ def derive(f: dict[str, Any]) -> None:
             if route != "direct":
                 f.setdefault(f"{workload}_{route}_cpu_ms_per_request", None)
         if workload.endswith("c1"):  # measured only by the interleaved run (see _added)
-            for route in ("edge", "nginx", "pyrelay"):
+            for route in PROXIES:
                 f.setdefault(f"{workload}_{route}_added_p50_ms", None)
         f[f"{workload}_edge_over_direct_rps"] = _ratio(
             f[f"{workload}_edge_rps"], f[f"{workload}_direct_rps"]
@@ -550,6 +591,9 @@ def derive(f: dict[str, Any]) -> None:
         )
         f[f"{workload}_edge_over_pyrelay_cpu"] = _ratio(
             f[f"{workload}_edge_cpu_ms_per_request"], f[f"{workload}_pyrelay_cpu_ms_per_request"]
+        )
+        f[f"{workload}_edge_over_baseline_cpu"] = _ratio(
+            f[f"{workload}_edge_cpu_ms_per_request"], f[f"{workload}_baseline_cpu_ms_per_request"]
         )
     for workload in ("post_c1", "fast_c1"):
         edge, nginx = f[f"{workload}_edge_added_p50_ms"], f[f"{workload}_nginx_added_p50_ms"]
@@ -627,6 +671,12 @@ def main(argv: list[str] | None = None) -> int:
         help="bench.replica_bench --json output to take replica_cpu_ms_per_turn from",
     )
     parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also measure the edge as it was at git revision REV, side by side in the same "
+        "run (route 'baseline'; *_edge_over_baseline_cpu compares CPU per request)",
+    )
+    parser.add_argument(
         "--client",
         choices=("auto", "wrk", "python"),
         default="auto",
@@ -634,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="edge-bench-") as tmp:
-        figures = run(args.quick, args.replica_json, Path(tmp), args.client)
+        figures = run(args.quick, args.replica_json, Path(tmp), args.client, args.baseline)
     rows = targets(figures)
     print_report(figures, rows)
     if args.json:
