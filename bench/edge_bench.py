@@ -25,7 +25,7 @@ does per request, so the edge's own cost shows beside the language's floor
   requests a millisecond apart share the drift (``bench.loadgen.interleaved``);
 - ``post_c8_varied_edge_*``: ``post_c8`` through the edge alone, each request with an
   ``x-request-id`` no other request has, so no head is the same as one before (the edge
-  remembers heads it has read, see ``edge.memo``; this is what a client pays that defeats it);
+  remembers heads it has read, see ``edge.core.memo``; this is what a client pays that defeats it);
 - ``fast_c1_*`` / ``fast_c8_*``: the same against a tiny backend that answers at once, so the
   proxies' own limits show instead of the replica's;
 - ``ws_replica_*``: a turn streaming many text deltas from a stub model, counting the

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from edge.ring import Ring
+from edge.core.ring import Ring
 from wire.ring_hash import ring_hash
 
 MAX_IDS = 2_000_000

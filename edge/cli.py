@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from edge.config import MAX_VNODES, load_config, parse_replica_name_at
-from edge.errors import EdgeError
-from edge.metrics import parse_listen, require_loopback
-from edge.ring import DEFAULT_VNODES, Ring
+from edge.core.config import MAX_VNODES, load_config, parse_replica_name_at
+from edge.core.errors import EdgeError
+from edge.core.metrics import parse_listen, require_loopback
+from edge.core.ring import DEFAULT_VNODES, Ring
 from wire.names import MAX_REPLICA_NAME
 
 MAX_RING_IDS = 100_000
@@ -135,7 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Imported here so that `fleet-edge ring` does not pay for loading the server.
     import uvloop
 
-    from edge.accesslog import AccessSink, install_redaction, use_sink
+    from edge.core.accesslog import AccessSink, install_redaction, use_sink
     from edge.server import serve
 
     logging.basicConfig(

@@ -1,11 +1,11 @@
 """The serving edge: a fast lane and aiohttp's low-level server, their lifecycle, reloads and
 drain.
 
-Every connection starts on the fast lane (:mod:`edge.fastpath`), which serves plain commands
+Every connection starts on the fast lane (:mod:`edge.fast.fastpath`), which serves plain commands
 straight off the socket (when the owner has an idle pooled connection, as an
-:mod:`edge.express` exchange driven by callbacks alone) and hands anything else, with the bytes
+:mod:`edge.fast.express` exchange driven by callbacks alone) and hands anything else, with the bytes
 it has read, to aiohttp's low-level server for the rest of the connection. There, requests are
-dispatched by :func:`edge.classify.classify` rather than a router: the edge has a handful of
+dispatched by :func:`edge.core.classify.classify` rather than a router: the edge has a handful of
 routes and the hot path should not pay for URL matching, middlewares or an application object
 per request.
 Each handler runs with ``handler_cancellation`` on, and the fast lane cancels likewise, so a
@@ -42,21 +42,21 @@ from typing import Final, cast
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
 
-from edge import accesslog
-from edge.accesslog import AccessRecord, Lane, RequestErrors, install_redaction
-from edge.answers import SHED, EdgeAnswer, answer, rejected
-from edge.callbacks import CallbackLimits, forward_callback
-from edge.classify import Kind, Local, Probe, Refused, Routed, classify
-from edge.config import EdgeConfig, EdgeOptions, ReplicaConfig, SliceConfig, load_config
-from edge.errors import ConfigError, RoutingError
-from edge.exchange import Exchange
-from edge.express import Express
-from edge.fastpath import FastConnection, FastLane, FastRequest, relay_to_connection
-from edge.metrics import EdgeMetrics, Outcome, start_metrics_server
-from edge.proxy import HttpProxy
-from edge.retry import RetryPolicy
-from edge.upstream import UpstreamPool, UpstreamResponse
-from edge.websocket import WebSocketProxy
+from edge.aio.callbacks import CallbackLimits, forward_callback
+from edge.aio.proxy import HttpProxy
+from edge.aio.websocket import WebSocketProxy
+from edge.core import accesslog
+from edge.core.accesslog import AccessRecord, Lane, RequestErrors, install_redaction
+from edge.core.answers import SHED, EdgeAnswer, answer, rejected
+from edge.core.classify import Kind, Local, Probe, Refused, Routed, classify
+from edge.core.config import EdgeConfig, EdgeOptions, ReplicaConfig, SliceConfig, load_config
+from edge.core.errors import ConfigError, RoutingError
+from edge.core.exchange import Exchange
+from edge.core.metrics import EdgeMetrics, Outcome, start_metrics_server
+from edge.core.retry import RetryPolicy
+from edge.fast.express import Express
+from edge.fast.fastpath import FastConnection, FastLane, FastRequest, relay_to_connection
+from edge.upstream.pool import UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("edge.server")
 
@@ -153,12 +153,12 @@ class Edge:
 
     @property
     def fast_lane_handovers(self) -> int:
-        """Connections the fast lane gave to aiohttp's handler (see edge.fastpath)."""
+        """Connections the fast lane gave to aiohttp's handler (see edge.fast.fastpath)."""
         return self._lane.handed_over if self._lane is not None else 0
 
     @property
     def fast_lane_heads(self) -> tuple[int, int]:
-        """Request heads the fast lane read, and those it found already read (edge.memo)."""
+        """Request heads the fast lane read, and those it found already read (edge.core.memo)."""
         if self._lane is None:
             return 0, 0
         return self._lane.commands.misses, self._lane.commands.hits
@@ -348,7 +348,7 @@ class Edge:
         exchange.follow()
         return True
 
-    # edge.express.Host
+    # edge.fast.express.Host
 
     def express_placed(self, exchange: Express) -> None:
         elapsed = self._now() - exchange.started

@@ -19,14 +19,14 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fuzz.common import instrument
 
-    instrument("edge.classify", "wire.auth", "wire.target")
+    instrument("edge.core.classify", "wire.auth", "wire.target")
 
 from urllib.parse import unquote
 
 import httptools
 from starlette.datastructures import QueryParams
 
-from edge.classify import Kind, Local, Refused, Routed, classify
+from edge.core.classify import Kind, Local, Refused, Routed, classify
 from fuzz.common import Harness, main
 from fuzz.formats import request_head
 from fuzz.known import Mismatch

@@ -18,12 +18,12 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fuzz.common import instrument
 
-    instrument("edge.fastpath")
+    instrument("edge.fast.fastpath")
 
 import httptools
 
-from edge.fastpath import parse_head
-from edge.headers import request_head
+from edge.core.headers import request_head
+from edge.fast.fastpath import parse_head
 from fuzz.common import Harness, main
 from fuzz.known import Mismatch
 

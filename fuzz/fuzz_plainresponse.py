@@ -18,13 +18,13 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fuzz.common import instrument
 
-    instrument("edge.upstream")
+    instrument("edge.upstream.pool")
 
 import httptools
 
-from edge.headers import HOP_BY_HOP
-from edge.memo import Memo
-from edge.upstream import plain_head, plain_response
+from edge.core.headers import HOP_BY_HOP
+from edge.core.memo import Memo
+from edge.upstream.pool import plain_head, plain_response
 from fuzz.common import Harness, main
 from fuzz.known import Mismatch
 

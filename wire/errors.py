@@ -6,8 +6,8 @@ The contract's grammar refuses with one error, so a caller on either side catche
     └── InvalidName    a tenant, shard, slice, session id or replica name that breaks the grammar
 
 Each side maps it to its own answer: the replica answers 400 before the name touches a path,
-the edge answers 400 (:class:`edge.errors.MalformedSessionId`) or refuses a start-up file
-(:class:`edge.errors.ConfigError`). Messages say which rule was broken and never quote more of
+the edge answers 400 (:class:`edge.core.errors.MalformedSessionId`) or refuses a start-up file
+(:class:`edge.core.errors.ConfigError`). Messages say which rule was broken and never quote more of
 the offending value than fits a log line: they are safe to log.
 """
 

@@ -2,7 +2,7 @@
 replaces them.
 
 This is the second line. The first is that neither side logs request bytes at all: the edge
-logs a request it cannot parse by the error's kind and the peer (``edge.accesslog``), and the
+logs a request it cannot parse by the error's kind and the peer (``edge.core.accesslog``), and the
 replica's HTTP server logs such requests without their bytes. The filter is for what slips past
 that: a traceback or a library's message that quotes a header. It goes on the *handlers*, so it
 sees every record whichever logger it was made on (a filter on a logger would not see its

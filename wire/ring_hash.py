@@ -7,7 +7,7 @@ puts every session id and every replica's virtual nodes at the same points. Publ
 The finalizer matters. FNV-1a ends on a multiply, which only carries a change in the last byte
 upwards, so inputs that differ only in their last bytes (the virtual nodes ``r#0``, ``r#1``, ...
 of one replica) land in a tight cluster and a ring's load split stops tracking its replica
-count. How positions make a ring is the edge's (``edge.ring``).
+count. How positions make a ring is the edge's (``edge.core.ring``).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from edge.config import load_config
-from edge.errors import ConfigError
-from edge.retry import DEFAULT_BUDGET_S
+from edge.core.config import load_config
+from edge.core.errors import ConfigError
+from edge.core.retry import DEFAULT_BUDGET_S
 from fleet_sim.control_plane import GRANT_TTL_S
 from fleet_sim.keys import KeySet, load_keyset
 from fleet_sim.sim.substrates import NotApplicable

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from edge.ring import Ring
+from edge.core.ring import Ring
 from fleet_sim.juicefs import JuiceFs
 from fleet_sim.keys import derive_tenant_dek
 from fleet_sim.sim import checkers

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-from edge.config import EdgeOptions, parse_config_text
-from edge.errors import ConfigError
-from edge.retry import CALLBACK_BUDGET_S
+from edge.core.config import EdgeOptions, parse_config_text
+from edge.core.errors import ConfigError
+from edge.core.retry import CALLBACK_BUDGET_S
 from fleet_sim.sim.checkers import ClaimResult, verdict
 from fleet_sim.sim.job_queries import (
     ANYWHERE,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from edge.ring import Ring
+from edge.core.ring import Ring
 from fleet_sim.keys import derive_tenant_dek
 from fleet_sim.sim import checkers
 from fleet_sim.sim.checkers import ClaimResult, verdict

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from edge.ring import Ring
+from edge.core.ring import Ring
 from fleet_sim.sim.checkers import ClaimResult, verdict
 from fleet_sim.sim.job_queries import (
     LOCAL,

@@ -15,8 +15,8 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from edge.config import EdgeConfig, parse_config
-from edge.ring import Ring
+from edge.core.config import EdgeConfig, parse_config
+from edge.core.ring import Ring
 from edge.server import Edge, start_edge
 from fleet_sim.ports import free_port
 

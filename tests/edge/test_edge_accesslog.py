@@ -8,15 +8,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from edge.accesslog import (
+from edge.core.accesslog import (
     AccessRecord,
     AccessSink,
     install_redaction,
     use_sink,
     write,
 )
-from edge.classify import Kind
-from edge.metrics import Outcome
+from edge.core.classify import Kind
+from edge.core.metrics import Outcome
 from wire.redaction import RedactCredentials, redact, redact_handlers
 
 

@@ -5,9 +5,9 @@ import logging
 
 import pytest
 
-from edge.callbacks import CallbackLimits
-from edge.config import EdgeOptions
-from edge.metrics import LimitScope
+from edge.aio.callbacks import CallbackLimits
+from edge.core.config import EdgeOptions
+from edge.core.metrics import LimitScope
 from tests.edge.fakes import (
     FakeReplica,
     fleet,

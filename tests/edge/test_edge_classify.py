@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from starlette.datastructures import QueryParams
 
-from edge.classify import Kind, Local, Probe, Refused, Routed, classify
+from edge.core.classify import Kind, Local, Probe, Refused, Routed, classify
 from wire.auth import AuthClass, classify_authorization
 from wire.target import query_values, split_target
 

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from edge.cli import main
-from edge.ring import Ring
+from edge.core.ring import Ring
 from tests.edge.fakes import FakeReplica, ok
 from tests.harness import eventually_async
 from wire.names import MAX_REPLICA_NAME

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from edge.config import EdgeOptions, load_config, parse_config_text
-from edge.errors import ConfigError, EdgeError, MalformedSessionId, RoutingError, UnknownSlice
-from edge.retry import RetryPolicy
-from edge.ring import Ring
+from edge.core.config import EdgeOptions, load_config, parse_config_text
+from edge.core.errors import ConfigError, EdgeError, MalformedSessionId, RoutingError, UnknownSlice
+from edge.core.retry import RetryPolicy
+from edge.core.ring import Ring
 from wire.ring_hash import ring_hash
 
 GOOD = """

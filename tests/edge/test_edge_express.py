@@ -1,4 +1,4 @@
-"""The fast lane's express exchanges (edge.express): a command asked of its owner over a pooled
+"""The fast lane's express exchanges (edge.fast.express): a command asked of its owner over a pooled
 connection and answered from callbacks, and every way such an exchange leaves the usual path."""
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edge.fastpath import parse_head, response_head
-from edge.headers import request_head
+from edge.core.headers import request_head
+from edge.fast.fastpath import parse_head, response_head
 from tests.edge.fakes import FakeReplica, fleet, ok, requests
 from tests.edge.wire_client import connected, read_response
 from tests.harness import eventually_async
@@ -259,7 +259,7 @@ async def test_draining_closes_idle_fast_connections_and_finishes_busy_ones() ->
 async def test_a_client_silent_mid_request_or_between_requests_is_closed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("edge.fastpath.KEEPALIVE_S", 0.2)
+    monkeypatch.setattr("edge.fast.fastpath.KEEPALIVE_S", 0.2)
     async with (
         fleet(FakeReplica("r1", ok(b"r1"))) as edge,
         connected(edge.url) as (stalled_r, stalled_w),

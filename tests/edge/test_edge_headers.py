@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from edge.headers import (
+from edge.core.headers import (
     chunked_body,
     connection_tokens,
     is_chunked,

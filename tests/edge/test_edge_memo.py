@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge.memo import Memo
+from edge.core.memo import Memo
 
 
 class Reader:

@@ -3,9 +3,9 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from edge.classify import Kind
-from edge.errors import ConfigError
-from edge.metrics import EdgeMetrics, Outcome, parse_listen, require_loopback
+from edge.core.classify import Kind
+from edge.core.errors import ConfigError
+from edge.core.metrics import EdgeMetrics, Outcome, parse_listen, require_loopback
 from edge.server import start_edge
 from tests.edge.fakes import FAST, FakeReplica, edge_config, refuse
 

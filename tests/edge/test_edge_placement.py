@@ -4,9 +4,9 @@ import logging
 
 import pytest
 
-from edge.config import ReplicaConfig, SliceConfig
-from edge.placement import FailedAttempt, PlacementFailed, Tally, place
-from edge.retry import GiveUpReason, RetryPolicy
+from edge.core.config import ReplicaConfig, SliceConfig
+from edge.core.placement import FailedAttempt, PlacementFailed, Tally, place
+from edge.core.retry import GiveUpReason, RetryPolicy
 from tests.edge.fakes import session_with_walk
 
 NAMES = ("r1", "r2", "r3")
@@ -107,7 +107,7 @@ async def test_unreachable_replicas_are_walked_past_and_counted() -> None:
 @pytest.mark.anyio
 async def test_misdirected_replica_is_never_asked_again(caplog: pytest.LogCaptureFixture) -> None:
     replicas = Replicas(r1=[MISDIRECTED], r2=[busy(), busy(), busy(), "ok"], r3=[busy()])
-    with caplog.at_level(logging.WARNING, "edge.placement"):
+    with caplog.at_level(logging.WARNING, "edge.core.placement"):
         answer, tally, _ = await run(replicas, SID)
     assert answer == "ok"
     assert replicas.asked.count("r1") == 1

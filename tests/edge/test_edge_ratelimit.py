@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edge.ratelimit import TokenBucketLimiter, WindowLimiter, WindowRule
+from edge.core.ratelimit import TokenBucketLimiter, WindowLimiter, WindowRule
 
 
 def test_window_admits_exactly_the_limit_per_window() -> None:

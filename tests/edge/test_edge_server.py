@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from edge.ring import Ring
+from edge.core.ring import Ring
 from edge.server import ServerState
 from tests.edge.fakes import (
     FAST,

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge.errors import UpstreamBadResponse, UpstreamTimeout, UpstreamUnavailable
-from edge.upstream import Origin, UpstreamPool, plain_response
+from edge.core.errors import UpstreamBadResponse, UpstreamTimeout, UpstreamUnavailable
+from edge.upstream.pool import Origin, UpstreamPool, plain_response
 from fleet_sim.ports import free_port
 from fuzz.fuzz_plainresponse import check as check_against_llhttp
 

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import WSMsgType, web
 
-from edge.websocket import sendable_close_code
+from edge.aio.websocket import sendable_close_code
 from tests.edge.fakes import (
     FakeReplica,
     echo_websocket,

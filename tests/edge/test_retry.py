@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from edge.retry import (
+from edge.core.retry import (
     CALLBACK_BUDGET_S,
     Attempt,
     AttemptKind,

@@ -5,7 +5,7 @@ from functools import cache
 
 import pytest
 
-from edge.ring import Ring
+from edge.core.ring import Ring
 from wire.ring_hash import fnv1a64, mix64, ring_hash
 
 N_IDS = 100_000

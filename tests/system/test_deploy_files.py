@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from edge.metrics import EdgeMetrics
+from edge.core.metrics import EdgeMetrics
 from fleet_sim.juicefs.mount import ClientOptions, mount_argv
 from replica.metrics import ReplicaMetrics
 

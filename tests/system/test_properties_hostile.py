@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from sse_starlette.event import ServerSentEvent
 from starlette.datastructures import QueryParams
 
-from edge.classify import Kind, Refused, Routed, classify
+from edge.core.classify import Kind, Refused, Routed, classify
 from fuzz.fuzz_classify import e1, uvicorn_split
 from fuzz.fuzz_grants import NOW, SEAL, VERIFIER, signed_token
 from fuzz.fuzz_sse import Event, parse_sse

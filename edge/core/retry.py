@@ -62,7 +62,7 @@ def no_jitter() -> float:
 
 class ReplicaAnswer(enum.StrEnum):
     """What a replica's answer to one attempt means for the plan (not how the request ended:
-    that is ``edge.metrics.Outcome``)."""
+    that is ``edge.core.metrics.Outcome``)."""
 
     UNAVAILABLE = enum.auto()
     MISDIRECTED = enum.auto()

@@ -1,9 +1,9 @@
 """Plain HTTP through the edge on aiohttp's server: SSE event streams, and the commands and
-anything else under ``/_beyond/agent`` that the fast lane (:mod:`edge.fastpath`) hands over.
+anything else under ``/_beyond/agent`` that the fast lane (:mod:`edge.fast.fastpath`) hands over.
 
 A request is placed before the client sees anything: its body is buffered (a retry must re-send
 it whole), the hashed replica is asked, and refusals go through the retry-then-walk loop of
-``edge.placement``. The first real answer is then passed on:
+``edge.core.placement``. The first real answer is then passed on:
 
 * an answer whose body has already arrived in full (the usual command response) goes out in one
   write, headers and body together;
@@ -25,25 +25,25 @@ from typing import Final
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
 
-from edge.accesslog import AccessRecord
-from edge.answers import (
+from edge.core.accesslog import AccessRecord
+from edge.core.answers import (
     PLACING_ERRORS,
     EdgeAnswer,
     body_broke_off,
     body_stalled,
     placing_failed,
 )
-from edge.classify import Kind
-from edge.config import EdgeOptions, ReplicaConfig
-from edge.errors import (
+from edge.core.classify import Kind
+from edge.core.config import EdgeOptions, ReplicaConfig
+from edge.core.errors import (
     BodyIncomplete,
     BodyTooLarge,
     LengthRequired,
     UpstreamError,
     UpstreamUnavailable,
 )
-from edge.exchange import Exchange
-from edge.headers import (
+from edge.core.exchange import Exchange
+from edge.core.headers import (
     RETRY_AFTER_FIELD,
     RawHeaders,
     chunked_body,
@@ -52,14 +52,14 @@ from edge.headers import (
     request_head,
     response_headers,
 )
-from edge.metrics import EdgeMetrics, Outcome
-from edge.placement import FailedAttempt
-from edge.relay import relay_body
-from edge.retry import parse_retry_after
-from edge.upstream import UpstreamPool, UpstreamResponse
+from edge.core.metrics import EdgeMetrics, Outcome
+from edge.core.placement import FailedAttempt
+from edge.core.relay import relay_body
+from edge.core.retry import parse_retry_after
+from edge.upstream.pool import UpstreamPool, UpstreamResponse
 from wire.http import MISDIRECTED, RETRY_LATER
 
-log = logging.getLogger("edge.proxy")
+log = logging.getLogger("edge.aio.proxy")
 
 # Longer than the replicas' 15 s keepalive comment, so only a dead stream trips it.
 SSE_IDLE_S: Final = 45.0
@@ -192,7 +192,7 @@ class HttpProxy:
         head_only: bool = False,
         first: UpstreamResponse | None = None,
     ) -> UpstreamResponse:
-        """The first deliverable answer; raises what :data:`edge.answers.PLACING_ERRORS`
+        """The first deliverable answer; raises what :data:`edge.core.answers.PLACING_ERRORS`
         names. ``first`` is the owner's answer when the caller already asked it."""
         options = exchange.options
 
@@ -224,7 +224,7 @@ class HttpProxy:
         first: UpstreamResponse | None = None,
     ) -> UpstreamResponse | EdgeAnswer:
         """The replica's answer once placed, or the edge's own answer when placement failed.
-        ``first`` is the owner's answer when the caller already asked it (edge.express)."""
+        ``first`` is the owner's answer when the caller already asked it (edge.fast.express)."""
         try:
             response = await self.place(exchange, data, head_only=head_only, first=first)
         except PLACING_ERRORS as exc:
@@ -303,7 +303,7 @@ async def _stream(
 
 
 class _ResponseSink:
-    """An aiohttp response as a :class:`edge.relay.BodySink`."""
+    """An aiohttp response as a :class:`edge.core.relay.BodySink`."""
 
     __slots__ = ("out", "request")
 

@@ -29,20 +29,20 @@ from typing import Final
 
 from aiohttp import web
 
-from edge.classify import Kind
-from edge.errors import (
+from edge.core.classify import Kind
+from edge.core.errors import (
     PlacementFailed,
     RoutingError,
     UpstreamBadResponse,
     UpstreamError,
     UpstreamTimeout,
 )
-from edge.exchange import Exchange
-from edge.metrics import EdgeMetrics, Outcome
-from edge.retry import GiveUpReason
+from edge.core.exchange import Exchange
+from edge.core.metrics import EdgeMetrics, Outcome
+from edge.core.retry import GiveUpReason
 from wire.http import RETRY_LATER, retry_after_headers
 
-log = logging.getLogger("edge.answers")
+log = logging.getLogger("edge.core.answers")
 
 # What can end a placement without a replica's answer to relay.
 PLACING_ERRORS: Final = (PlacementFailed, UpstreamTimeout, UpstreamBadResponse)

@@ -1,10 +1,10 @@
 """Placing one request: drive the pure retry planner against real attempts, with a real clock.
 
 :func:`place` asks the session's hashed replica first and, while the answers are refusals (503,
-421, or a connection refused or reset before any answer), follows :class:`edge.retry.RetryPlan`:
-retry in place, then walk the ring, within the budget. The first answer that is not a refusal
-is returned for the caller to deliver; nothing here ever touches the client, so a retry can only
-happen before the client has seen a byte.
+421, or a connection refused or reset before any answer), follows
+:class:`edge.core.retry.RetryPlan`: retry in place, then walk the ring, within the budget. The
+first answer that is not a refusal is returned for the caller to deliver; nothing here ever
+touches the client, so a retry can only happen before the client has seen a byte.
 
 The attempt itself is a callable, so the same loop places plain HTTP requests and WebSocket
 handshakes, and tests can drive it with scripted answers, a fake clock and an instant sleep.
@@ -21,9 +21,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from edge.config import ReplicaConfig, SliceConfig
-from edge.errors import PlacementFailed
-from edge.retry import (
+from edge.core.config import ReplicaConfig, SliceConfig
+from edge.core.errors import PlacementFailed
+from edge.core.retry import (
     AttemptKind,
     AttemptResult,
     Deliver,
@@ -36,7 +36,7 @@ from edge.retry import (
 
 __all__ = ["FailedAttempt", "PlacementFailed", "Tally", "place"]
 
-log = logging.getLogger("edge.placement")
+log = logging.getLogger("edge.core.placement")
 
 T = TypeVar("T")
 

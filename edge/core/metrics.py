@@ -26,10 +26,10 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from edge.classify import Kind
-from edge.errors import ConfigError
+from edge.core.classify import Kind
+from edge.core.errors import ConfigError
 
-log = logging.getLogger("edge.metrics")
+log = logging.getLogger("edge.core.metrics")
 
 
 class Outcome(enum.StrEnum):

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from edge.retry import GiveUpReason
+from edge.core.retry import GiveUpReason
 
 
 class EdgeError(Exception):

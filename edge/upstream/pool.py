@@ -1,5 +1,5 @@
 """Pooled keep-alive HTTP/1.1 connections to replicas: the edge's upstream transport for plain
-requests (commands, callbacks, SSE). WebSockets use aiohttp's client (see ``edge.websocket``).
+requests (commands, callbacks, SSE). WebSockets use aiohttp's client (see ``edge.aio.websocket``).
 
 Why not ``aiohttp.ClientSession`` here: on the reference 2-core box a pooled aiohttp client
 request costs about 0.3 ms of CPU (URL objects, request/response objects, timers, tracing
@@ -10,7 +10,7 @@ response parsed by llhttp (``httptools``) in C, body chunks handed over as they 
 answer that arrives whole in one read and in the plainest form (``plain_response``: canonical
 header lines, one ``Content-Length``) is read without llhttp's per-field callbacks, exactly as
 llhttp would read it (a fuzz harness checks that); a head seen before is not read again (the
-pool remembers them, ``edge.memo``: a replica's heads repeat until its ``date`` turns over).
+pool remembers them, ``edge.core.memo``: a replica's heads repeat until its ``date`` turns over).
 
 Rules it keeps:
 
@@ -41,9 +41,14 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from edge.errors import UpstreamBadResponse, UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from edge.headers import CANONICAL_FIELD, HOP_BY_HOP, RawHeaders
-from edge.memo import Memo
+from edge.core.errors import (
+    UpstreamBadResponse,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from edge.core.headers import CANONICAL_FIELD, HOP_BY_HOP, RawHeaders
+from edge.core.memo import Memo
 
 _HIGH_WATER: Final = 256 * 1024
 _LOW_WATER: Final = 64 * 1024
@@ -57,7 +62,7 @@ _CANONICAL_HEAD: Final = re.compile(
 # Fields after which llhttp's reading of a response depends on more than Content-Length.
 _NOT_PLAIN: Final = frozenset({b"transfer-encoding", b"connection", b"upgrade"})
 _QUICK_BODY_LIMIT: Final = 64 * 1024
-_HEADS: Final = 256  # plain response heads remembered per pool (see edge.memo)
+_HEADS: Final = 256  # plain response heads remembered per pool (see edge.core.memo)
 _HEAD_KEY_MAX: Final = 4096  # longer heads are read every time
 
 
@@ -292,7 +297,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._response: UpstreamResponse | None = None
         self._timer: asyncio.TimerHandle | None = None
         # Called after every batch of bytes and when the connection is lost, for a caller that
-        # follows the exchange with callbacks instead of awaiting it (edge.express).
+        # follows the exchange with callbacks instead of awaiting it (edge.fast.express).
         self.listener: Callable[[], None] | None = None
 
     # --- asyncio.Protocol ----------------------------------------------------------------------

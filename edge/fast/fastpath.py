@@ -7,7 +7,7 @@ on :class:`FastConnection`, which reads requests itself and serves the ones it c
 plain commands:
 
 - ``POST <path> HTTP/1.1`` with a printable-ASCII request-target, classified (by the same
-  :func:`edge.classify.classify` as everything else) as a command;
+  :func:`edge.core.classify.classify` as everything else) as a command;
 - every header line in canonical form (a token, a colon, optional spaces, a printable-ASCII
   value with no trailing space): the form on which every HTTP parser agrees byte for byte, so
   the edge cannot read a request differently from the replica;
@@ -20,7 +20,7 @@ handler for the rest of its life, where the full rules apply. A hand-over happen
 requests, so nothing is ever answered twice or out of order.
 
 Each distinct head is read once: the lane remembers what ``read_command`` made of it
-(``edge.memo``), since a client sends the same head request after request.
+(``edge.core.memo``), since a client sends the same head request after request.
 
 A served command is placed exactly as the aiohttp path places it (``HttpProxy.placed``); the
 answer goes out in one write when it is complete (the usual case), else it is streamed with
@@ -38,32 +38,32 @@ from collections.abc import Callable, Coroutine
 from http import HTTPStatus
 from typing import Any, Final, NamedTuple, Protocol, cast
 
-from edge.accesslog import AccessRecord
-from edge.answers import EdgeAnswer
-from edge.classify import Classified, Kind, Routed, classify
-from edge.config import EdgeOptions
-from edge.headers import (
+from edge.aio.proxy import whole_body
+from edge.core.accesslog import AccessRecord
+from edge.core.answers import EdgeAnswer
+from edge.core.classify import Classified, Kind, Routed, classify
+from edge.core.config import EdgeOptions
+from edge.core.headers import (
     CANONICAL_FIELD,
     REFRAMED,
     RawHeaders,
     declared_length,
     response_fields,
 )
-from edge.memo import Memo
-from edge.metrics import Outcome
-from edge.proxy import whole_body
-from edge.relay import relay_body
-from edge.upstream import UpstreamResponse
+from edge.core.memo import Memo
+from edge.core.metrics import Outcome
+from edge.core.relay import relay_body
+from edge.upstream.pool import UpstreamResponse
 from wire.http import RETRY_AFTER_HEADER, RETRY_AFTER_S
 
-log = logging.getLogger("edge.fastpath")
+log = logging.getLogger("edge.fast.fastpath")
 
 # Same as aiohttp's keep-alive timeout, so both lanes treat idle clients alike.
 KEEPALIVE_S: Final = 75.0
 
 _METHOD: Final = b"POST "
 # The whole head in one match: the request line, then header lines each in the canonical form
-# (edge.headers.CANONICAL_FIELD).
+# (edge.core.headers.CANONICAL_FIELD).
 # Every line must begin with its CRLF and no field can hold a CR or LF, so the match is linear
 # and splitting the block on CRLF gives back exactly the lines it matched.
 _HEAD: Final = re.compile(rb"POST (/[\x21-\x7e]*) HTTP/1\.1((?:\r\n" + CANONICAL_FIELD + rb")*)")
@@ -74,7 +74,7 @@ _RETRY_AFTER: Final = (RETRY_AFTER_HEADER.encode("ascii"), str(RETRY_AFTER_S).en
 # Fields parse_head looks at (the rest are passed on as they are).
 _NOTED: Final = REFRAMED | _NOT_FAST | {b"host", b"authorization"}
 _NO_BODY_STATUS: Final = frozenset({204, 304})
-_HEADS: Final = 1024  # request heads remembered per lane (see edge.memo)
+_HEADS: Final = 1024  # request heads remembered per lane (see edge.core.memo)
 _HEAD_KEY_MAX: Final = 4096  # longer heads are read every time
 _STATUS_LINES: Final = {
     s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode("ascii")) for s in HTTPStatus
@@ -97,7 +97,7 @@ class FastRequest(NamedTuple):
     authorization: tuple[bytes, ...] = ()  # the Authorization values, in order
 
     def upstream(self, body: bytes, host: bytes | None) -> bytes:
-        """The request for a replica, byte for byte what ``edge.headers.request_head`` makes
+        """The request for a replica, byte for byte what ``edge.core.headers.request_head`` makes
         of it plus the body; ``host`` is used only when the client sent no ``Host``."""
         host_line = b"" if self.has_host or host is None else b"Host: " + host + b"\r\n"
         return b"POST %b HTTP/1.1\r\n%b%bContent-Length: %d\r\n\r\n%b" % (
@@ -207,7 +207,7 @@ def edge_answer(status: int, text: str, *, retry_after: bool = False, close: boo
 
 
 Serve = Callable[[FastRequest, Routed, bytes, "FastConnection"], Coroutine[Any, Any, None]]
-# Takes a command without a task when it can (see edge.express): True if it did.
+# Takes a command without a task when it can (see edge.fast.express): True if it did.
 TryExpress = Callable[[FastRequest, Routed, bytes, "FastConnection"], bool]
 
 
@@ -510,7 +510,7 @@ async def _stream(
 
 
 class _ConnectionSink:
-    """A fast connection as a :class:`edge.relay.BodySink`, framing chunks when the answer
+    """A fast connection as a :class:`edge.core.relay.BodySink`, framing chunks when the answer
     has no length."""
 
     __slots__ = ("chunked", "conn")

@@ -12,11 +12,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from edge.accesslog import AccessRecord
-from edge.classify import Kind
-from edge.config import EdgeOptions, ReplicaConfig, SliceConfig
-from edge.placement import FailedAttempt, Tally, place
-from edge.retry import RetryPolicy
+from edge.core.accesslog import AccessRecord
+from edge.core.classify import Kind
+from edge.core.config import EdgeOptions, ReplicaConfig, SliceConfig
+from edge.core.placement import FailedAttempt, Tally, place
+from edge.core.retry import RetryPolicy
 
 T = TypeVar("T")
 
@@ -43,8 +43,8 @@ class Exchange:
         *,
         first: T | FailedAttempt | None = None,
     ) -> T:
-        """Drive the retry planner (:func:`edge.placement.place`) with this exchange's slice,
-        owner, policy and budget; raises :class:`edge.errors.PlacementFailed`."""
+        """Drive the retry planner (:func:`edge.core.placement.place`) with this exchange's slice,
+        owner, policy and budget; raises :class:`edge.core.errors.PlacementFailed`."""
         return await place(
             self.slice_config,
             self.session_id,

@@ -28,15 +28,15 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from edge.accesslog import AccessRecord
-from edge.answers import EdgeAnswer, body_stalled, placing_failed
-from edge.errors import UpstreamUnavailable
-from edge.exchange import Exchange
-from edge.fastpath import FastConnection, response_head
-from edge.headers import declared_length
-from edge.metrics import EdgeMetrics, Outcome
-from edge.proxy import COALESCE_LIMIT, REFUSALS
-from edge.upstream import UpstreamConnection, UpstreamResponse
+from edge.aio.proxy import COALESCE_LIMIT, REFUSALS
+from edge.core.accesslog import AccessRecord
+from edge.core.answers import EdgeAnswer, body_stalled, placing_failed
+from edge.core.errors import UpstreamUnavailable
+from edge.core.exchange import Exchange
+from edge.core.headers import declared_length
+from edge.core.metrics import EdgeMetrics, Outcome
+from edge.fast.fastpath import FastConnection, response_head
+from edge.upstream.pool import UpstreamConnection, UpstreamResponse
 
 
 class Host(Protocol):

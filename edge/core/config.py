@@ -33,9 +33,9 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
-from edge.errors import ConfigError, MalformedSessionId, UnknownSlice
-from edge.retry import CALLBACK_BUDGET_S, DEFAULT_BUDGET_S, RetryPolicy
-from edge.ring import DEFAULT_VNODES, Ring
+from edge.core.errors import ConfigError, MalformedSessionId, UnknownSlice
+from edge.core.retry import CALLBACK_BUDGET_S, DEFAULT_BUDGET_S, RetryPolicy
+from edge.core.ring import DEFAULT_VNODES, Ring
 from wire.errors import InvalidName
 from wire.names import SessionId, parse_replica_name, parse_session_id, parse_slice
 

@@ -33,9 +33,9 @@ from typing import Any, TextIO
 
 from aiohttp.http_exceptions import HttpProcessingError
 
-from edge.classify import Kind
-from edge.metrics import Outcome
-from edge.placement import Tally
+from edge.core.classify import Kind
+from edge.core.metrics import Outcome
+from edge.core.placement import Tally
 from wire.redaction import redact, redact_handlers
 
 access_log = logging.getLogger("edge.access")
@@ -89,8 +89,8 @@ class RequestErrors:
 class Lane(enum.StrEnum):
     """Which of the edge's lanes carried a request (see ARCHITECTURE.md)."""
 
-    FAST = enum.auto()  # a command served off the socket by edge.fastpath, in a task
-    EXPRESS = enum.auto()  # a command followed by callbacks alone (edge.express)
+    FAST = enum.auto()  # a command served off the socket by edge.fast.fastpath, in a task
+    EXPRESS = enum.auto()  # a command followed by callbacks alone (edge.fast.express)
     AIOHTTP = enum.auto()  # everything else, on aiohttp's server
 
 

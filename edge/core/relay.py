@@ -4,7 +4,7 @@ carries it, over a small :class:`BodySink` interface.
 Each piece is written the moment it arrives, with no buffering and no response timeout, only an
 idle guard: ``idle_s`` without a byte ends the relay. A replica that falls silent or breaks off
 ends it with the client connection *aborted*, never ended cleanly, so a client cannot mistake a
-truncated body for a whole one. (A WebSocket's frames are relayed by ``edge.websocket``: frames,
+truncated body for a whole one. (A WebSocket's frames are relayed by ``edge.aio.websocket``: frames,
 not bytes, and both directions at once.)
 """
 
@@ -14,11 +14,11 @@ import asyncio
 import logging
 from typing import Protocol
 
-from edge.errors import UpstreamError
-from edge.metrics import Outcome
-from edge.upstream import UpstreamResponse
+from edge.core.errors import UpstreamError
+from edge.core.metrics import Outcome
+from edge.upstream.pool import UpstreamResponse
 
-log = logging.getLogger("edge.relay")
+log = logging.getLogger("edge.core.relay")
 
 
 class BodySink(Protocol):

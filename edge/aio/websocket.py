@@ -30,25 +30,25 @@ from aiohttp.client_reqrep import ClientRequest, ClientResponse
 from aiohttp.web_request import BaseRequest
 from yarl import URL
 
-from edge.accesslog import AccessRecord
-from edge.answers import PLACING_ERRORS, placing_failed
-from edge.classify import Kind
-from edge.config import EdgeOptions, ReplicaConfig
-from edge.errors import UpstreamBadResponse, UpstreamTimeout
-from edge.exchange import Exchange
-from edge.headers import (
+from edge.aio.proxy import REFUSALS
+from edge.core.accesslog import AccessRecord
+from edge.core.answers import PLACING_ERRORS, placing_failed
+from edge.core.classify import Kind
+from edge.core.config import EdgeOptions, ReplicaConfig
+from edge.core.errors import UpstreamBadResponse, UpstreamTimeout
+from edge.core.exchange import Exchange
+from edge.core.headers import (
     RETRY_AFTER_FIELD,
     RawHeaders,
     response_headers,
     websocket_headers,
     websocket_protocols,
 )
-from edge.metrics import EdgeMetrics, Outcome
-from edge.placement import FailedAttempt
-from edge.proxy import REFUSALS
-from edge.retry import parse_retry_after
+from edge.core.metrics import EdgeMetrics, Outcome
+from edge.core.placement import FailedAttempt
+from edge.core.retry import parse_retry_after
 
-log = logging.getLogger("edge.websocket")
+log = logging.getLogger("edge.aio.websocket")
 
 # Replicas send whole transcripts as one catch-up frame; the client's commands are small.
 UPSTREAM_MAX_MESSAGE: Final = 256 * 1024 * 1024

@@ -1,4 +1,4 @@
-"""Job-end callbacks from sandboxes (rules E2-E7; E1's classification is ``edge.classify``).
+"""Job-end callbacks from sandboxes (rules E2-E7; E1's classification is ``edge.core.classify``).
 
 A callback is routed like any request for its session id (E3), but:
 
@@ -13,7 +13,7 @@ A callback is routed like any request for its session id (E3), but:
   (E6, an exact sliding-window count) and at most ``callback_rate_per_source`` a second from one
   source address (a token bucket); the excess is answered 429 by the edge;
 * the ``Authorization`` header is never logged or recorded (E7): nothing here logs headers, and
-  ``edge.accesslog`` redacts any that other code might quote.
+  ``edge.core.accesslog`` redacts any that other code might quote.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from typing import Final
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
 
-from edge.answers import PLACING_ERRORS, answer, callback_unanswered, placing_failed
-from edge.classify import Kind
-from edge.config import EdgeOptions
-from edge.exchange import Exchange
-from edge.headers import RawHeaders, response_headers
-from edge.metrics import EdgeMetrics, LimitScope, Outcome
-from edge.proxy import HttpProxy, read_body, upstream_request
-from edge.ratelimit import TokenBucketLimiter, WindowLimiter, WindowRule
+from edge.aio.proxy import HttpProxy, read_body, upstream_request
+from edge.core.answers import PLACING_ERRORS, answer, callback_unanswered, placing_failed
+from edge.core.classify import Kind
+from edge.core.config import EdgeOptions
+from edge.core.exchange import Exchange
+from edge.core.headers import RawHeaders, response_headers
+from edge.core.metrics import EdgeMetrics, LimitScope, Outcome
+from edge.core.ratelimit import TokenBucketLimiter, WindowLimiter, WindowRule
 
 # A callback answer is a status and a short reason; anything longer is not one.
 CALLBACK_ANSWER_LIMIT: Final = 64 * 1024

@@ -1,0 +1,1 @@
+"""The upstream client: pooled keep-alive HTTP/1.1 connections to replicas."""
