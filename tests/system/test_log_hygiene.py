@@ -152,7 +152,13 @@ def test_no_credential_shape_reaches_a_log(fleet: LocalFleet) -> None:
     shapes = _shapes(made["session_id"])
     answered: dict[str, bytes] = {}
     for shape in shapes:
-        for where, url in (("edge", fleet.edge.url), ("replica", replica.url)):
+        for where, url in (
+            ("edge", fleet.edge.url),
+            ("replica", replica.url),
+            ("the edge's metrics listener", fleet.edge.metrics_url),
+            ("a replica's metrics listener", replica.metrics_url),
+        ):
+            assert url is not None
             answer = _send(url, shape.request, half_close=shape.name == "truncated chunked body")
             answered[f"{shape.name} via {where}"] = answer.partition(b"\r\n")[0]
     # Every shape was refused (or, cut off mid-body, dropped): none is a request to serve.
