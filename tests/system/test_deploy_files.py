@@ -363,7 +363,7 @@ def test_the_sample_env_file_is_one_the_script_accepts(tmp_path: Path) -> None:
     done = run_mount_script(tmp_path, "", "argv", env_file=ENV_EXAMPLE)
     assert done.returncode == 0, done.stderr
     argv = done.stdout.splitlines()
-    assert argv[-2:] == ["redis://jfs-meta.internal:6379/1", "/mnt/jfs"]
+    assert argv[-2:] == ["redis://jfs-meta.internal:6379/1?max-retry-backoff=500ms", "/mnt/jfs"]
     assert argv[argv.index("--heartbeat") + 1] == "2s"
 
 
