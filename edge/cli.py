@@ -18,6 +18,7 @@ from edge.core.errors import EdgeError
 from edge.core.metrics import parse_listen, require_loopback
 from edge.core.ring import DEFAULT_VNODES, Ring
 from wire.names import MAX_REPLICA_NAME
+from wire.redaction import redact_handlers
 
 MAX_RING_IDS = 100_000
 MAX_ID_LENGTH = 1024
@@ -135,7 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Imported here so that `fleet-edge ring` does not pay for loading the server.
     import uvloop
 
-    from edge.core.accesslog import AccessSink, install_redaction, use_sink
+    from edge.core.accesslog import AccessSink, use_sink
     from edge.server import serve
 
     logging.basicConfig(
@@ -143,7 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    install_redaction()
+    redact_handlers()
     use_sink(AccessSink(sys.stderr))
     try:
         result: int = uvloop.run(serve(config_path, config, host, port, metrics_address))

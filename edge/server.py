@@ -46,7 +46,7 @@ from edge.aio.callbacks import CallbackLimits, forward_callback
 from edge.aio.proxy import HttpProxy
 from edge.aio.websocket import WebSocketProxy
 from edge.core import accesslog
-from edge.core.accesslog import AccessRecord, Lane, RequestErrors, install_redaction
+from edge.core.accesslog import AccessRecord, Lane, RequestErrors
 from edge.core.answers import SHED, EdgeAnswer, answer, rejected
 from edge.core.classify import Kind, Local, Probe, Refused, Routed, classify
 from edge.core.config import EdgeConfig, EdgeOptions, ReplicaConfig, SliceConfig, load_config
@@ -57,6 +57,7 @@ from edge.core.retry import RetryPolicy
 from edge.fast.express import Express
 from edge.fast.fastpath import FastConnection, FastLane, FastRequest, relay_to_connection
 from edge.upstream.pool import UpstreamPool, UpstreamResponse
+from wire.redaction import redact_handlers
 
 log = logging.getLogger("edge.server")
 
@@ -168,7 +169,7 @@ class Edge:
     async def start(
         self, host: str, port: int, *, metrics_host: str | None = None, metrics_port: int = 0
     ) -> None:
-        install_redaction()
+        redact_handlers()
         # aiohttp types it as a Logger; it is called only as one (see RequestErrors).
         request_errors = cast(logging.Logger, RequestErrors())
         # Kept rather than asked for per request: asking costs a getpid() system call.

@@ -13,7 +13,7 @@ A callback is routed like any request for its session id (E3), but:
   (E6, an exact sliding-window count) and at most ``callback_rate_per_source`` a second from one
   source address (a token bucket); the excess is answered 429 by the edge;
 * the ``Authorization`` header is never logged or recorded (E7): nothing here logs headers, and
-  ``edge.core.accesslog`` redacts any that other code might quote.
+  the log handlers' filter (``wire.redaction``) redacts any that other code might quote.
 """
 
 from __future__ import annotations

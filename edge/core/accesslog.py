@@ -36,16 +36,11 @@ from aiohttp.http_exceptions import HttpProcessingError
 from edge.core.classify import Kind
 from edge.core.metrics import Outcome
 from edge.core.placement import Tally
-from wire.redaction import redact, redact_handlers
+from wire.redaction import redact
 
 access_log = logging.getLogger("edge.access")
 
 _MAX_LOGGED_PATH = 256
-
-
-def install_redaction() -> None:
-    """The credential filter on every handler of the root logger (idempotent)."""
-    redact_handlers()
 
 
 class RequestErrors:

@@ -11,7 +11,6 @@ import pytest
 from edge.core.accesslog import (
     AccessRecord,
     AccessSink,
-    install_redaction,
     use_sink,
     write,
 )
@@ -56,7 +55,7 @@ def test_the_filter_rewrites_messages_and_tracebacks() -> None:
 
 
 def test_access_lines_hold_no_query(caplog: pytest.LogCaptureFixture) -> None:
-    install_redaction()
+    redact_handlers()
     record = AccessRecord("POST", "/_beyond/agent")
     record.kind = Kind.CALLBACK
     record.answered(202)
