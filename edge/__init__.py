@@ -6,6 +6,7 @@
 - :mod:`edge.fast`: the fast lane (plain commands off the socket) and its express exchanges;
 - :mod:`edge.aio`: the aiohttp lane (HTTP and event streams, WebSockets, job-end callbacks);
 - :mod:`edge.upstream`: the pooled client to replicas;
-- :mod:`edge.server`: the serving edge's lifecycle, admission and dispatch to the lanes;
+- :mod:`edge.dispatch`: admission and the hand-off of each request to its lane;
+- :mod:`edge.server`: the serving edge's lifecycle (listeners, reloads, drain);
   :mod:`edge.cli`: ``fleet-edge``.
 """

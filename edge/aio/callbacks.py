@@ -25,7 +25,12 @@ from aiohttp import web
 from aiohttp.web_request import BaseRequest
 
 from edge.aio.proxy import HttpProxy, read_body, upstream_request
-from edge.core.answers import PLACING_ERRORS, answer, callback_unanswered, placing_failed
+from edge.core.answers import (
+    PLACING_ERRORS,
+    callback_unanswered,
+    placing_failed,
+    rate_limited,
+)
 from edge.core.classify import Kind
 from edge.core.config import EdgeOptions
 from edge.core.exchange import Exchange
@@ -73,12 +78,8 @@ async def forward_callback(
     refused_by = limits.check(exchange.session_id, request.remote or "-", loop.time())
     if refused_by is not None:
         metrics.rate_limited[refused_by].inc()
-        text = (
-            "too many job-end callbacks for this session; retry"
-            if refused_by is LimitScope.SESSION
-            else "too many job-end callbacks from this address; retry"
-        )
-        return answer(429, text, retry_after=True), Outcome.RATE_LIMITED
+        refused = rate_limited(refused_by)
+        return refused.response(), refused.outcome
     options = exchange.options
     host = proxy.pool.origin(exchange.owner.url).host_header
     # E4 counts from the callback's arrival: a slow upload spends the same 25 s.

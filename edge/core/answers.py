@@ -8,6 +8,7 @@ what happened                      status  outcome
 =================================  ======  =========================================
 over the concurrent request limit  503     ``SHED`` (with ``Retry-After``)
 not routable (id, slice, body)     4xx     ``REJECTED`` (the error's own status)
+over a callback rate limit (E6)    429     ``RATE_LIMITED`` (with ``Retry-After``)
 every replica answered 421         502     ``MISROUTED``
 the retry budget ran out           503     ``EXHAUSTED`` (with ``Retry-After``)
 no answer head in time             504     ``TIMED_OUT`` (a callback: 503, rule E4)
@@ -38,7 +39,7 @@ from edge.core.errors import (
     UpstreamTimeout,
 )
 from edge.core.exchange import Exchange
-from edge.core.metrics import EdgeMetrics, Outcome
+from edge.core.metrics import EdgeMetrics, LimitScope, Outcome
 from edge.core.retry import GiveUpReason
 from wire.http import RETRY_LATER, retry_after_headers
 
@@ -74,6 +75,16 @@ SHED: Final = EdgeAnswer(
 
 def rejected(exc: RoutingError) -> EdgeAnswer:
     return EdgeAnswer(exc.status, str(exc), Outcome.REJECTED)
+
+
+def rate_limited(scope: LimitScope) -> EdgeAnswer:
+    """E6: a job-end callback over its session's rate, or its source address's."""
+    text = (
+        "too many job-end callbacks for this session; retry"
+        if scope is LimitScope.SESSION
+        else "too many job-end callbacks from this address; retry"
+    )
+    return EdgeAnswer(429, text, Outcome.RATE_LIMITED, retry_after=True)
 
 
 def placing_failed(

@@ -1,9 +1,10 @@
 """One request's context through the edge, whichever lane carries it.
 
-An :class:`Exchange` is made once a request has been admitted (:meth:`edge.server.Edge.admit`:
-not shed, and routed to a slice and its ring owner) and is what every lane passes along instead
-of loose parameters: the aiohttp lane's HTTP, WebSocket and callback paths, the fast lane's
-commands and the express exchanges that carry a command without a task.
+An :class:`Exchange` is made once a request has been admitted
+(:meth:`edge.core.runtime.Runtime.admit`: not shed, and routed to a slice and its ring owner)
+and is what every lane passes along instead of loose parameters: the aiohttp lane's HTTP,
+WebSocket and callback paths, the fast lane's commands and the express exchanges that carry a
+command without a task.
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ class Express:
         self._end(status, Outcome.DELIVERED)
 
     def _answer(self, answer: EdgeAnswer) -> None:
-        self.conn.answer(answer.status, answer.text, retry_after=answer.retry_after)
+        self.conn.answer(answer)
         self._end(answer.status, answer.outcome)
 
     def _end(self, status: int, outcome: Outcome) -> None:

@@ -353,8 +353,13 @@ class FastConnection(asyncio.Protocol):
         if self.transport is None:
             raise ConnectionResetError("the client went away")
 
-    def answer(self, status: int, text: str, *, retry_after: bool = False) -> None:
-        self.write(edge_answer(status, text, retry_after=retry_after, close=self.must_close))
+    def answer(self, answer: EdgeAnswer) -> None:
+        """The edge's own answer, whichever path on this lane made it."""
+        self.write(
+            edge_answer(
+                answer.status, answer.text, retry_after=answer.retry_after, close=self.must_close
+            )
+        )
 
     def close(self) -> None:
         if self.transport is not None:
@@ -477,7 +482,7 @@ async def relay_to_connection(
     try:
         body = await whole_body(response, options)
         if isinstance(body, EdgeAnswer):
-            conn.answer(body.status, body.text)
+            conn.answer(body)
             return body.status, body.outcome
         status = response.status
         if body is not None:
