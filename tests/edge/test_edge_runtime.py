@@ -3,6 +3,8 @@ exchange an admitted request carries."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from edge.core.accesslog import AccessRecord
 from edge.core.answers import SHED, EdgeAnswer
 from edge.core.classify import Kind
@@ -13,7 +15,7 @@ from tests.edge.fakes import edge_config, session_with_walk
 NAMES = ("r1", "r2", "r3")
 
 
-def runtime(**options: object) -> Runtime:
+def runtime(**options: Any) -> Runtime:
     return Runtime.of(
         edge_config([(n, f"http://127.0.0.1:{9000 + i}") for i, n in enumerate(NAMES)], **options)
     )
