@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import shutil
 import signal
 import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
+from typing import Any
 
 import fleet_sim.sim.scenarios_callbacks  # registers the callback (E1-E7) scenarios
 import fleet_sim.sim.scenarios_jobs  # registers the job-end scenarios
@@ -46,6 +49,16 @@ def _sessions(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"must be within 2-1000 (one per slice at least), got {value}"
         )
+    return value
+
+
+def _jobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 1 <= value <= 16:
+        raise argparse.ArgumentTypeError(f"must be within 1-16, got {value}")
     return value
 
 
@@ -142,6 +155,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=[],
         metavar="SCENARIO",
         help="run just these (repeatable)",
+    )
+    matrix.add_argument(
+        "--jobs",
+        type=_jobs,
+        default=1,
+        metavar="N",
+        help="run N scenarios at a time, each on its own fleet in its own process (default 1; "
+        "on a small machine more than 2 can slow a scenario past what it measures)",
     )
     _attached_args(matrix)
     _results_arg(matrix)
@@ -243,18 +264,67 @@ def _matrix(args: argparse.Namespace) -> int:
     if unknown:
         print(f"fleet-sim matrix: unknown scenarios: {', '.join(unknown)}", file=sys.stderr)
         return 2
-    chosen = [CATALOGUE[n] for n in (args.only or sorted(CATALOGUE))]
+    if target is not None and args.jobs > 1:
+        print("fleet-sim matrix: an attached fleet runs one scenario at a time", file=sys.stderr)
+        return 2
+    chosen = [
+        name
+        for name in (args.only or sorted(CATALOGUE))
+        if args.substrate in CATALOGUE[name].substrates
+    ]
     run_dir = new_run_dir(args.results, f"matrix-{args.substrate}")
-    results = []
-    for item in chosen:
-        if args.substrate not in item.substrates:
-            continue
-        result = run_scenario(
-            item, args.substrate, run_dir, quick=args.quick, seed=args.seed, attached=target
-        )
-        print(f"{item.name}: {result['verdict']} ({result['seconds']}s)", flush=True)
-        results.append(result)
+    if args.jobs == 1:
+        results = []
+        for name in chosen:
+            result = run_scenario(
+                CATALOGUE[name],
+                args.substrate,
+                run_dir,
+                quick=args.quick,
+                seed=args.seed,
+                attached=target,
+            )
+            print(f"{name}: {result['verdict']} ({result['seconds']}s)", flush=True)
+            results.append(result)
+    else:
+        results = _side_by_side(chosen, args, run_dir)
     return _report(run_dir, results)
+
+
+def _side_by_side(
+    names: list[str], args: argparse.Namespace, run_dir: Path
+) -> list[dict[str, Any]]:
+    """The scenarios ``args.jobs`` at a time, each in a process of its own (its fleet, its
+    substrate and its faults are its own already; a process keeps their signals and threads
+    apart too). Results in the order of ``names``. Stopped (Ctrl-C, SIGTERM), it stops the
+    scenarios running, which tear their fleets down as a lone one does."""
+    context = multiprocessing.get_context("spawn")
+    done: dict[str, dict[str, Any]] = {}
+    with ProcessPoolExecutor(args.jobs, mp_context=context, initializer=_stop_on_sigterm) as pool:
+        futures = {
+            pool.submit(_run_named, name, args.substrate, run_dir, args.quick, args.seed): name
+            for name in names
+        }
+        try:
+            for future in as_completed(futures):
+                result = future.result()
+                done[futures[future]] = result
+                print(
+                    f"{result['scenario']}: {result['verdict']} ({result['seconds']}s)", flush=True
+                )
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            for child in multiprocessing.active_children():
+                child.terminate()  # SIGTERM: the scenario's teardown runs
+            raise
+    return [done[name] for name in names]
+
+
+def _run_named(name: str, substrate: str, run_dir: Path, quick: bool, seed: int) -> dict[str, Any]:
+    """One scenario by name, in a worker process (the catalogue is registered by importing this
+    module)."""
+    return run_scenario(CATALOGUE[name], substrate, run_dir, quick=quick, seed=seed)
 
 
 def _soak(args: argparse.Namespace) -> int:

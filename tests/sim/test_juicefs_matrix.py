@@ -40,7 +40,15 @@ def _fleet_sim(*args: str, timeout: float) -> tuple[int, list[dict[str, Any]], s
 @pytest.mark.timeout(2400)
 def test_the_juicefs_matrix_passes_with_nothing_skipped(tmp_path: Path) -> None:
     code, results, output = _fleet_sim(
-        "matrix", "--substrate", "juicefs", "--quick", "--results", str(tmp_path), timeout=2400
+        "matrix",
+        "--substrate",
+        "juicefs",
+        "--quick",
+        "--jobs",
+        "2",
+        "--results",
+        str(tmp_path),
+        timeout=2400,
     )
     expected = sorted(n for n, s in CATALOGUE.items() if "juicefs" in s.substrates)
     assert sorted(str(r["scenario"]) for r in results) == expected

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fleet_sim.sim import commands
+from tests.harness import eventually
 
 BIN = Path(sys.executable).parent
 FLEET_SIM = shutil.which("fleet-sim", path=str(BIN))
@@ -160,3 +161,64 @@ def test_a_short_soak_from_another_directory(tmp_path: Path) -> None:
     (result,) = results
     assert result["verdict"] == "pass", result
     assert os.listdir(env_dir) == ["results"]
+
+
+def test_jobs_must_be_a_small_count() -> None:
+    assert parse("matrix", "--substrate", "local-dir", "--jobs", "3").jobs == 3
+    assert parse("matrix", "--substrate", "local-dir").jobs == 1
+    for bad in ("0", "17", "two"):
+        with pytest.raises(SystemExit):
+            parse("matrix", "--substrate", "local-dir", "--jobs", bad)
+
+
+def _marked(mark: str) -> list[str]:
+    """Command lines of the live processes whose environment carries ``mark``."""
+    found = []
+    needle = f"FLEET_SIM_TEST_MARK={mark}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            if "State:\tZ" in (entry / "status").read_text():
+                continue
+            found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue  # gone meanwhile
+    return found
+
+
+@pytest.mark.slow
+def test_matrix_side_by_side_runs_and_stops_whole_on_sigterm(tmp_path: Path) -> None:
+    """Two scenarios at a time, each in a worker of its own; SIGTERM to the command stops both
+    mid-run, and each tears its fleet down: no worker, replica, edge or helper is left."""
+    assert FLEET_SIM is not None
+    env = {**os.environ, "FLEET_SIM_TEST_MARK": str(tmp_path)}
+    scenarios = ("takeover-after-hard-kill", "rolling-deploy-refuses-nobody")
+    matrix = subprocess.Popen(
+        [FLEET_SIM, "matrix", "--substrate", "local-dir", "--quick", "--jobs", "2",
+         "--only", scenarios[0], "--only", scenarios[1], "--results", str(tmp_path)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+
+        def both_prompting() -> bool:
+            journals = [
+                next(tmp_path.glob(f"*/{s}.local-dir/journal.jsonl"), None) for s in scenarios
+            ]
+            return all(j is not None and j.stat().st_size > 0 for j in journals)
+
+        eventually(both_prompting, 120, 0.2, message="both scenarios' workloads started")
+        # Two workers, each with a fleet of its own (six replicas, an edge, a control plane...).
+        assert len(_marked(str(tmp_path))) > 2 * 6
+        matrix.terminate()
+        out, err = matrix.communicate(timeout=120)
+    finally:
+        if matrix.poll() is None:
+            matrix.kill()
+            matrix.wait(10)
+    assert matrix.returncode == 128 + 15, out + err
+    # Stopped, not waited for: neither scenario got as far as writing its result.
+    assert list(tmp_path.glob("*/*.local-dir.json")) == [], out
+    eventually(lambda: not _marked(str(tmp_path)), 30, 0.5, message="a process outlived it")

@@ -1,5 +1,6 @@
 """The simulator's catalogue in CI: every scenario that applies to local-dir and to leasefs
-passes (none skipped), and a short soak with deploys, kills and partitions loses nothing."""
+passes (none skipped; two at a time, each on its own fleet), and a short soak with deploys,
+kills and partitions loses nothing."""
 
 from __future__ import annotations
 
@@ -49,7 +50,15 @@ def failures(results: list[dict[str, object]]) -> dict[str, object]:
 )
 def test_matrix_passes_with_nothing_skipped(substrate: str, tmp_path: Path) -> None:
     code, results, output = run_cli(
-        "matrix", "--substrate", substrate, "--quick", "--results", str(tmp_path), timeout=1500
+        "matrix",
+        "--substrate",
+        substrate,
+        "--quick",
+        "--jobs",
+        "2",
+        "--results",
+        str(tmp_path),
+        timeout=1500,
     )
     expected = sorted(n for n, s in CATALOGUE.items() if substrate in s.substrates)
     assert sorted(str(r["scenario"]) for r in results) == expected
