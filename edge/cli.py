@@ -89,6 +89,15 @@ def _build_parser() -> argparse.ArgumentParser:
         help="loopback address for Prometheus metrics (off when omitted)",
     )
     serve.add_argument(
+        "--workers",
+        metavar="N|auto",
+        default="1",
+        help="edge processes sharing the listening address (SO_REUSEPORT), each with its own "
+        "replica pools; auto: one per CPU. With more than 1 the parent supervises: SIGHUP "
+        "reloads every worker, SIGTERM drains them all, a worker that dies is started again, "
+        "and --metrics-listen serves every worker's metrics under a worker label (default 1)",
+    )
+    serve.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         default="info",
@@ -130,14 +139,16 @@ def _serve(args: argparse.Namespace) -> int:
     if args.metrics_listen is not None:
         metrics_address = parse_listen(args.metrics_listen, "--metrics-listen")
         require_loopback(metrics_address[0])
-    config_path = Path(args.config)
-    config = load_config(config_path)
-
     # Imported here so that `fleet-edge ring` does not pay for loading the server.
     import uvloop
 
     from edge.core.accesslog import AccessSink, use_sink
     from edge.server import serve
+    from edge.workers import run_workers, worker_count
+
+    workers = worker_count(args.workers)
+    config_path = Path(args.config)
+    config = load_config(config_path)
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -147,7 +158,12 @@ def _serve(args: argparse.Namespace) -> int:
     redact_handlers()
     use_sink(AccessSink(sys.stderr))
     try:
-        result: int = uvloop.run(serve(config_path, config, host, port, metrics_address))
+        if workers > 1:
+            result: int = uvloop.run(
+                run_workers(config_path, host, port, metrics_address, workers, args.log_level)
+            )
+        else:
+            result = uvloop.run(serve(config_path, config, host, port, metrics_address))
     finally:
         use_sink(None)  # whatever is still buffered goes out
     return result

@@ -29,6 +29,7 @@ import asyncio
 import enum
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -107,7 +108,13 @@ class Edge:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def start(
-        self, host: str, port: int, *, metrics_host: str | None = None, metrics_port: int = 0
+        self,
+        host: str,
+        port: int,
+        *,
+        metrics_host: str | None = None,
+        metrics_port: int = 0,
+        reuse_port: bool = False,
     ) -> None:
         redact_handlers()
         # aiohttp types it as a Logger; it is called only as one (see RequestErrors).
@@ -126,14 +133,15 @@ class Edge:
         )
         runner = web.ServerRunner(server, shutdown_timeout=1.0)
         await runner.setup()
-        self._lane = FastLane(
+        lane = self._lane = FastLane(
             dispatch.serve_fast, server, lambda: self.runtime.config.options, dispatch.try_express
         )
+        self.metrics.count_connections(lambda: lane.accepted)
         try:
             # Every connection starts on the fast lane, which hands what it does not serve
             # itself to aiohttp's handler (``server`` is its protocol factory).
             self._listener = await loop.create_server(
-                self._lane.connection, host, port, reuse_address=True
+                self._lane.connection, host, port, reuse_address=True, reuse_port=reuse_port
             )
             if metrics_host is not None:
                 self._metrics_runner = await start_metrics_server(
@@ -222,16 +230,25 @@ async def serve(
     host: str,
     port: int,
     metrics_address: tuple[str, int] | None,
+    *,
+    reuse_port: bool = False,
+    announce: Callable[[Edge], None] | None = None,
 ) -> int:
-    """``fleet-edge serve`` in a running loop: until SIGTERM or SIGINT, reloading on SIGHUP."""
+    """``fleet-edge serve`` in a running loop: until SIGTERM or SIGINT, reloading on SIGHUP.
+    ``reuse_port`` shares the address with other processes (the workers of
+    :mod:`edge.workers`); ``announce`` replaces the line printed once listening."""
     loop = asyncio.get_running_loop()
     edge = Edge(config)
     try:
         if metrics_address is None:
-            await edge.start(host, port)
+            await edge.start(host, port, reuse_port=reuse_port)
         else:
             await edge.start(
-                host, port, metrics_host=metrics_address[0], metrics_port=metrics_address[1]
+                host,
+                port,
+                metrics_host=metrics_address[0],
+                metrics_port=metrics_address[1],
+                reuse_port=reuse_port,
             )
     except OSError as exc:
         log.error("cannot listen: %s", exc)
@@ -247,14 +264,17 @@ async def serve(
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
-    metrics_text = (
-        f", metrics on http://{metrics_address[0]}:{edge.metrics_port}/metrics"
-        if metrics_address is not None
-        else ""
-    )
-    log.info("serving on %s%s", edge.url, metrics_text)
-    # One machine-readable line on stdout, for supervisors that asked for port 0.
-    print(f"fleet-edge listening on {edge.url}", flush=True)
+    if announce is not None:
+        announce(edge)
+    else:
+        metrics_text = (
+            f", metrics on http://{metrics_address[0]}:{edge.metrics_port}/metrics"
+            if metrics_address is not None
+            else ""
+        )
+        log.info("serving on %s%s", edge.url, metrics_text)
+        # One machine-readable line on stdout, for supervisors that asked for port 0.
+        print(f"fleet-edge listening on {edge.url}", flush=True)
     try:
         await stop.wait()
         log.info("stop requested: draining")

@@ -29,6 +29,7 @@ import functools
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 from aiohttp.http_exceptions import HttpProcessingError
@@ -130,6 +131,30 @@ def _loggable(text: str) -> str:
     return redact(text)
 
 
+# Writes up to this size reach a pipe whole, never interleaved with another process's writes
+# (POSIX's PIPE_BUF): what keeps the lines of several edge workers on one stderr apart.
+ATOMIC_WRITE_BYTES = 4096
+
+
+def _whole_lines(text: str) -> Iterator[str]:
+    """``text`` in pieces of whole lines, each at most :data:`ATOMIC_WRITE_BYTES` where its
+    lines allow (a longer line goes alone)."""
+    # Characters per piece: a byte each when ASCII (the usual case), else at most four.
+    most = ATOMIC_WRITE_BYTES if text.isascii() else ATOMIC_WRITE_BYTES // 4
+    if len(text) <= most:
+        yield text
+        return
+    start = 0
+    while start < len(text):
+        end = text.rfind("\n", start, start + most)
+        if end < start:
+            end = text.find("\n", start)
+            if end < 0:
+                end = len(text) - 1
+        yield text[start : end + 1]
+        start = end + 1
+
+
 class AccessSink:
     """Buffered access lines on ``stream``, each as ``logging``'s root handler formats a record
     (``<asctime> INFO edge.access: <line>``), written out in batches.
@@ -178,8 +203,9 @@ class AccessSink:
         text = "".join([self._line(*entry) for entry in self.pending])
         self.pending.clear()
         try:
-            self.stream.write(text)
-            self.stream.flush()
+            for piece in _whole_lines(text):
+                self.stream.write(piece)
+                self.stream.flush()
         except (OSError, ValueError):  # a closed or full stream must not fail requests
             pass
 

@@ -18,7 +18,7 @@ import enum
 import ipaddress
 import logging
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -97,13 +97,20 @@ class Latency:
 
 
 class _Tallies(Collector):
-    """``edge_requests_total`` and ``edge_placement_seconds`` from plain numbers."""
+    """``edge_requests_total``, ``edge_placement_seconds`` and
+    ``edge_connections_accepted_total`` from plain numbers."""
 
     def __init__(self) -> None:
         self.requests = {(k, o): 0 for k in Kind for o in Outcome}
         self.placement = {k: Latency() for k in Kind}
+        self.connections: Callable[[], int] = lambda: 0
 
     def collect(self) -> Iterator[Metric]:
+        accepted = CounterMetricFamily(
+            "edge_connections_accepted", "Client connections the edge accepted."
+        )
+        accepted.add_metric((), self.connections())
+        yield accepted
         requests = CounterMetricFamily(
             "edge_requests", "Requests by kind and how they ended.", labels=("kind", "outcome")
         )
@@ -193,6 +200,10 @@ class EdgeMetrics:
         self.rate_limited = {s: self._rate_limited.labels(s.value) for s in LimitScope}
         self.reloads = {name: self._reloads.labels(name) for name in RELOAD_RESULTS}
         self.in_flight = self._in_flight
+
+    def count_connections(self, accepted: Callable[[], int]) -> None:
+        """Read the client connections accepted so far from ``accepted`` at scrape time."""
+        self._tallies.connections = accepted
 
     def label_values(self) -> set[tuple[str, str]]:
         """Every ``(label, value)`` pair currently exposed."""

@@ -235,6 +235,7 @@ class FastLane:
         self.connections: set[FastConnection] = set()
         self.closing = False
         self.handed_over = 0  # connections given to aiohttp, for tests and debugging
+        self.accepted = 0  # client connections, read at scrape time
         self._sweeper: asyncio.TimerHandle | None = None
         # Clients repeat their heads request after request: each is read once.
         self.commands = Memo(read_command, size=_HEADS, key_max=_HEAD_KEY_MAX)
@@ -244,6 +245,7 @@ class FastLane:
 
     def add(self, conn: FastConnection, loop: asyncio.AbstractEventLoop) -> None:
         self.connections.add(conn)
+        self.accepted += 1
         if self._sweeper is None:
             self._sweeper = loop.call_later(_sweep_every(), self._sweep, loop)
 
