@@ -33,7 +33,9 @@ does per request, so the edge's own cost shows beside the language's floor
   yet, so a slower path gets fewer, larger frames);
 - ``ws_relay_burst_*`` / ``ws_relay_echo_*``: pure relay: the tiny backend sends a burst of
   small frames down, or echoes frames sent up (each echo counts once per direction);
-- ``sse_*``: a streamed turn followed on the event stream;
+- ``sse_*``: a streamed turn followed on the event stream; the stream workloads take turns
+  between the routes like the POST ones (the order reversed every other round), each figure
+  the median of its rounds;
 - ``*_cpu_ms_per_request``, ``*_frames_per_cpu_s``: the proxy process's CPU over each run (from
   ``/proc/<pid>/stat``), and ``edge_cpu_per_request_over_replica_cpu_per_turn`` against the
   replica's CPU per turn (``bench.replica_bench``, or ``--replica-json`` from its ``--json``).
@@ -382,31 +384,46 @@ def ws_echo(
 
 
 def stream_runs(fleet: Fleet, sizes: Sizes, routes: list[Route]) -> dict[str, Any]:
+    """Each stream workload on each route that relays streams, the routes taking turns
+    ``sizes.rounds`` times (the order reversed every other round, after a warm-up on each), as
+    the POST workloads do: a machine busy for a moment then lands on every route alike. Each
+    figure is the median of its rounds."""
     out: dict[str, Any] = {}
 
     def grant(sid: str) -> str:
         return fleet.grant("bench", sid, sandbox=False)
 
-    for route in routes:
-        if route.name in ("nginx", "pyrelay"):
-            continue
-        pid = route.pid
-        ws, ws_cut = _measured_turn(grant, "ws", ws_replica_stream, route.replica_url, pid)
-        sse, sse_cut = _measured_turn(grant, "sse", sse_stream, route.replica_url, pid)
-        out[f"stream_turns_cut_{route.name}"] = ws_cut + sse_cut
-        fast_sid = f"a08-s1.relay{secrets.token_hex(4)}"
-        ws_burst(route.fast_url, fast_sid, sizes.burst_frames // 10, None)  # warm up
-        burst = ws_burst(route.fast_url, fast_sid, sizes.burst_frames, pid)
-        echo = ws_echo(route.fast_url, fast_sid, sizes.echo_frames, pid)
-        for workload, result in zip(STREAM_WORKLOADS, (ws, sse, burst, echo), strict=True):
+    streamed = [r for r in routes if r.name not in ("nginx", "pyrelay")]
+    fast_sids = {r.name: f"a08-s1.relay{secrets.token_hex(4)}" for r in streamed}
+    for route in streamed:
+        ws_burst(route.fast_url, fast_sids[route.name], sizes.burst_frames // 10, None)
+    runs: dict[tuple[str, str], list[StreamResult]] = {}
+    cuts = dict.fromkeys(fast_sids, 0)
+    for round_ in range(sizes.rounds):
+        for route in streamed if round_ % 2 == 0 else streamed[::-1]:
+            pid = route.pid
+            ws, ws_cut = _measured_turn(grant, "ws", ws_replica_stream, route.replica_url, pid)
+            sse, sse_cut = _measured_turn(grant, "sse", sse_stream, route.replica_url, pid)
+            cuts[route.name] += ws_cut + sse_cut
+            fast_sid = fast_sids[route.name]
+            burst = ws_burst(route.fast_url, fast_sid, sizes.burst_frames, pid)
+            echo = ws_echo(route.fast_url, fast_sid, sizes.echo_frames, pid)
+            for workload, result in zip(STREAM_WORKLOADS, (ws, sse, burst, echo), strict=True):
+                runs.setdefault((workload, route.name), []).append(result)
+    for route in streamed:
+        out[f"stream_turns_cut_{route.name}"] = cuts[route.name]
+        for workload in STREAM_WORKLOADS:
+            results = runs[(workload, route.name)]
             prefix = f"{workload}_{route.name}"
-            out[f"{prefix}_frames"] = result.frames
-            out[f"{prefix}_frames_per_s"] = result.rate
-            if pid is not None:
-                out[f"{prefix}_frames_per_cpu_s"] = result.per_cpu_s
-            per_cpu = f"  {result.per_cpu_s:9.0f} per edge CPU-s" if result.per_cpu_s else ""
+            out[f"{prefix}_frames"] = results[0].frames
+            out[f"{prefix}_frames_per_s"] = statistics.median(r.rate for r in results)
+            per_cpu = [r.per_cpu_s for r in results if r.per_cpu_s is not None]
+            if route.pid is not None and per_cpu:
+                out[f"{prefix}_frames_per_cpu_s"] = statistics.median(per_cpu)
+            shown = f"  {statistics.median(per_cpu):9.0f} per edge CPU-s" if per_cpu else ""
             print(
-                f"  {prefix:22} {result.frames:8} frames {result.rate:9.0f}/s{per_cpu}",
+                f"  {prefix:22} {results[0].frames:8} frames "
+                f"{out[f'{prefix}_frames_per_s']:9.0f}/s{shown} (median of {len(results)})",
                 file=sys.stderr,
                 flush=True,
             )
