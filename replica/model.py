@@ -238,18 +238,24 @@ class OpenAIModel:
                     )
                 decoder = model_wire.SSEDecoder()
                 assembler = model_wire.StreamAssembler()
-                # aiter_lines is an async generator; closing it here, not at garbage collection,
-                # keeps its clean-up inside this task.
-                body_lines = cast("AsyncGenerator[str, None]", response.aiter_lines())
-                async with contextlib.aclosing(body_lines) as lines:
-                    async for line in lines:
-                        for data in decoder.feed(line):
-                            for event in assembler.feed_data(data):
-                                yield event
+                # Read as the network delivers it, not line by line: one step through the
+                # client's stream per read, and the text of every token in a read goes on as
+                # one delta. The iterator is an async generator; closing it here, not at
+                # garbage collection, keeps its clean-up inside this task.
+                received = cast("AsyncGenerator[bytes, None]", response.aiter_bytes())
+                async with contextlib.aclosing(received) as reads:
+                    async for chunk in reads:
+                        events: list[ModelEvent] = []
+                        for data in decoder.feed_bytes(chunk):
+                            events += assembler.feed_data(data)
+                            if assembler.done:
+                                break
+                        for event in model_wire.merge_text(events):
+                            yield event
                         if assembler.done:
                             break
                     if assembler.done:
-                        await _drain(lines)
+                        await _drain(reads)
                         return
                 for data in decoder.close():
                     for event in assembler.feed_data(data):
@@ -300,13 +306,13 @@ class OpenAIModel:
         return type(exc)(clean)
 
 
-async def _drain(lines: AsyncIterator[str]) -> None:
+async def _drain(reads: AsyncIterator[bytes]) -> None:
     """Read what follows ``[DONE]`` (normally just the end of the body) so the connection can
     be reused; a server that keeps the stream open after it is simply cut off."""
     with contextlib.suppress(StopAsyncIteration, httpx.HTTPError, TimeoutError):
         async with asyncio.timeout(_DRAIN_S):
             for _ in range(_DRAIN_LINES):
-                await anext(lines)
+                await anext(reads)
 
 
 def _redact(text: str, key: _Secret | None) -> str:

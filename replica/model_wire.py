@@ -111,11 +111,30 @@ def _wire_message(message: ChatMessage) -> dict[str, Any]:
 
 
 class SSEDecoder:
-    """Turns the lines of a ``text/event-stream`` body into the data of each event."""
+    """Turns a ``text/event-stream`` body, fed as it arrives (:meth:`feed_bytes`, in whatever
+    pieces the network gives) or line by line (:meth:`feed`), into the data of each event."""
 
     def __init__(self) -> None:
         self._data: list[str] = []
         self._size = 0
+        self._partial = b""  # the start of a line whose end has not arrived
+
+    def feed_bytes(self, chunk: bytes) -> list[str]:
+        """The events completed by ``chunk``. Lines end in LF, CRLF or CR; a CR that ends a
+        chunk waits for the next one, which may begin with its LF."""
+        buffer = self._partial + chunk if self._partial else chunk
+        held = buffer.endswith(b"\r")
+        lines = (buffer[:-1] if held else buffer).splitlines(keepends=True)
+        rest = b"\r" if held else b""
+        if lines and not lines[-1].endswith((b"\n", b"\r")):
+            rest = lines.pop() + rest
+        if len(rest) > MAX_EVENT_DATA:
+            raise ModelProtocolError("model server sent an oversized stream event")
+        self._partial = rest
+        out: list[str] = []
+        for line in lines:
+            out += self.feed(line.decode("utf-8", "replace"))
+        return out
 
     def feed(self, line: str) -> list[str]:
         line = line.rstrip("\r\n")
@@ -133,7 +152,9 @@ class SSEDecoder:
         return []
 
     def close(self) -> list[str]:
-        return self._dispatch()
+        partial, self._partial = self._partial, b""
+        out = self.feed(partial.decode("utf-8", "replace")) if partial.strip(b"\r") else []
+        return out + self._dispatch()
 
     def _dispatch(self) -> list[str]:
         if not self._data:
@@ -142,6 +163,20 @@ class SSEDecoder:
         self._data = []
         self._size = 0
         return [data]
+
+
+def merge_text(events: list[ModelEvent]) -> list[ModelEvent]:
+    """Consecutive text deltas as one (the order of everything else kept): what arrived in one
+    read of the stream goes on at once anyway, and each delta costs the turn a step."""
+    if len(events) < 2:
+        return events
+    out: list[ModelEvent] = []
+    for event in events:
+        if isinstance(event, TextDelta) and out and isinstance(out[-1], TextDelta):
+            out[-1] = TextDelta(out[-1].text + event.text)
+        else:
+            out.append(event)
+    return out
 
 
 @dataclass(slots=True)

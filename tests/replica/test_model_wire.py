@@ -16,7 +16,14 @@ from replica.model_types import (
     ToolCallEvent,
     ToolSpec,
 )
-from replica.model_wire import SSEDecoder, StreamAssembler, error_detail, request_body
+from replica.model_wire import (
+    MAX_EVENT_DATA,
+    SSEDecoder,
+    StreamAssembler,
+    error_detail,
+    merge_text,
+    request_body,
+)
 
 
 def delta(d: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
@@ -114,6 +121,48 @@ def test_sse_decoder_joins_multiline_data_and_skips_comments() -> None:
     out = [d for line in lines for d in decoder.feed(line)]
     assert out == ['{"a":\n1}']
     assert decoder.close() == ["[DONE]"]
+
+
+BODY = (
+    b': keepalive\r\nevent: message\r\ndata: {"a":\r\ndata:1}\r\n\r\n'
+    b"data: \xc3\xa9t\xc3\xa9\n\ndata: cr\r\rdata: [DONE]\n\n"
+)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 64, len(BODY)])
+def test_sse_decoder_reads_bytes_in_any_pieces(size: int) -> None:
+    """Whatever pieces the network cuts the body into, even between CR and LF or inside a
+    UTF-8 character, the events are the same as read line by line."""
+    decoder = SSEDecoder()
+    out = [d for at in range(0, len(BODY), size) for d in decoder.feed_bytes(BODY[at : at + size])]
+    assert out + decoder.close() == ['{"a":\n1}', "\u00e9t\u00e9", "cr", "[DONE]"]
+
+
+def test_sse_decoder_refuses_an_endless_line() -> None:
+    decoder = SSEDecoder()
+    decoder.feed_bytes(b"data: " + b"x" * (MAX_EVENT_DATA // 2))
+    with pytest.raises(ModelProtocolError, match="oversized"):
+        decoder.feed_bytes(b"x" * (MAX_EVENT_DATA // 2 + 8))
+
+
+def test_sse_decoder_close_reads_a_last_unterminated_line() -> None:
+    decoder = SSEDecoder()
+    assert decoder.feed_bytes(b"data: one\n\ndata: [DONE]") == ["one"]
+    assert decoder.close() == ["[DONE]"]
+
+
+def test_merge_text_joins_neighbouring_deltas_only() -> None:
+    call = ToolCallEvent(ToolCall("c1", "bash", "{}"))
+    events: list[ModelEvent] = [
+        TextDelta("a"),
+        TextDelta("b"),
+        call,
+        TextDelta("c"),
+        TextDelta("d"),
+    ]
+    assert merge_text(events) == [TextDelta("ab"), call, TextDelta("cd")]
+    assert merge_text([TextDelta("x")]) == [TextDelta("x")]
+    assert merge_text([]) == []
 
 
 def test_request_body_uses_openai_function_format() -> None:
