@@ -89,7 +89,7 @@ def _add_serve(commands: Any) -> None:
     add(
         "--model",
         default="mock",
-        help="mock | stub:ttft=300ms,per_token=12ms,tokens=200 | "
+        help="mock | stub:ttft=300ms,per_token=12ms,tokens=200[,tick=25ms] | "
         "openai:http://host:port/v1[#model=NAME] (default: mock)",
     )
     add("--max-live-sessions", type=int, default=20_000, metavar="N")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -81,12 +82,15 @@ __all__ = [
 class _ScriptedModel:
     """Delivers ``model_script`` replies as events, on a declared latency schedule."""
 
-    def __init__(self, ttft_s: float, per_token_s: float, default_words: int | None) -> None:
-        if ttft_s < 0 or per_token_s < 0:
+    def __init__(
+        self, ttft_s: float, per_token_s: float, default_words: int | None, tick_s: float = 0.0
+    ) -> None:
+        if ttft_s < 0 or per_token_s < 0 or tick_s < 0:
             raise ValueError("latencies must not be negative")
         self._ttft_s = ttft_s
         self._per_token_s = per_token_s
         self._default_words = default_words
+        self._tick_s = tick_s
 
     async def stream(
         self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *, max_tokens: int
@@ -107,12 +111,29 @@ class _ScriptedModel:
             cut = None
         loop = asyncio.get_running_loop()
         start = loop.time()
-        for i, unit in enumerate(reply.units[:cut]):
-            due = start + model_script.unit_offset(i, self._ttft_s, self._per_token_s)
-            # Sleep even at zero delay: an instant model must still let other tasks run.
-            await asyncio.sleep(max(0.0, due - loop.time()))
-            if isinstance(unit, model_script.TextPiece):
-                yield TextDelta(unit.text)
+        units = reply.units[:cut]
+        ttft, per_token, tick = self._ttft_s, self._per_token_s, self._tick_s
+        woke = -math.inf
+        i = 0
+        while i < len(units):
+            due = start + model_script.unit_offset(i, ttft, per_token)
+            # Sleep even at zero delay: an instant model must still let other tasks run. With
+            # a tick, wake at most once a tick and give out every unit due by then together:
+            # one timer per tick rather than one per token.
+            await asyncio.sleep(max(0.0, max(due, woke + tick) - loop.time()))
+            woke = loop.time()
+            text = []
+            while True:
+                unit = units[i]
+                i += 1
+                if isinstance(unit, model_script.TextPiece):
+                    text.append(unit.text)
+                if not tick or i == len(units):
+                    break
+                if start + model_script.unit_offset(i, ttft, per_token) > woke:
+                    break
+            if text:
+                yield TextDelta("".join(text))
         if cut is not None:
             raise ModelStreamError(f"scripted model stream broke off after {cut} units")
         for call in reply.calls:
@@ -134,19 +155,30 @@ class MockModel(_ScriptedModel):
 
 
 class StubModel(_ScriptedModel):
-    """The mock's script with a declared latency; plain replies are ``tokens`` words long."""
+    """The mock's script with a declared latency; plain replies are ``tokens`` words long.
+    ``tick_s`` above zero wakes the stream at most once a tick, with every token due by then in
+    one delta (a real model's tokens arrive as the network delivers them, not on a timer each);
+    zero gives each token at its own moment."""
 
-    def __init__(self, ttft_s: float = 0.3, per_token_s: float = 0.012, tokens: int = 200) -> None:
+    def __init__(
+        self,
+        ttft_s: float = 0.3,
+        per_token_s: float = 0.012,
+        tokens: int = 200,
+        tick_s: float = 0.0,
+    ) -> None:
         if tokens < 1:
             raise ValueError("tokens must be at least 1")
-        super().__init__(ttft_s, per_token_s, tokens)
+        super().__init__(ttft_s, per_token_s, tokens, tick_s)
         self.ttft_s = ttft_s
         self.per_token_s = per_token_s
         self.tokens = tokens
+        self.tick_s = tick_s
 
     def __repr__(self) -> str:
         return (
-            f"StubModel(ttft_s={self.ttft_s}, per_token_s={self.per_token_s}, tokens={self.tokens})"
+            f"StubModel(ttft_s={self.ttft_s}, per_token_s={self.per_token_s}, "
+            f"tokens={self.tokens}, tick_s={self.tick_s})"
         )
 
 
@@ -334,6 +366,7 @@ class StubSpec:
     ttft_s: float = 0.3
     per_token_s: float = 0.012
     tokens: int = 200
+    tick_s: float = 0.025  # the replica's default coalescing window: no frame waits on it
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,7 +385,7 @@ _MAX_STUB_TOKENS = 1_000_000
 
 
 def parse_model_spec(spec: str) -> ModelSpec:
-    """Parse ``--model``: ``mock``, ``stub[:ttft=300ms,per_token=12ms,tokens=200]`` or
+    """Parse ``--model``: ``mock``, ``stub[:ttft=300ms,per_token=12ms,tokens=200,tick=25ms]`` or
     ``openai:URL[#model=NAME&key_env=VAR&timeout=60s]``."""
     kind, sep, rest = spec.strip().partition(":")
     if kind == "mock":
@@ -394,7 +427,7 @@ def _duration(label: str, key: str, value: str) -> float:
 
 
 def _parse_stub(spec: str, rest: str) -> StubSpec:
-    options = _options(spec, rest, ",", ("ttft", "per_token", "tokens"))
+    options = _options(spec, rest, ",", ("ttft", "per_token", "tokens", "tick"))
     defaults = StubSpec()
     tokens = defaults.tokens
     if "tokens" in options:
@@ -412,6 +445,7 @@ def _parse_stub(spec: str, rest: str) -> StubSpec:
             else defaults.per_token_s
         ),
         tokens=tokens,
+        tick_s=_duration(spec, "tick", options["tick"]) if "tick" in options else defaults.tick_s,
     )
 
 
@@ -451,5 +485,5 @@ def make_provider(spec: ModelSpec | str) -> ModelProvider:
     if isinstance(spec, MockSpec):
         return MockModel()
     if isinstance(spec, StubSpec):
-        return StubModel(spec.ttft_s, spec.per_token_s, spec.tokens)
+        return StubModel(spec.ttft_s, spec.per_token_s, spec.tokens, spec.tick_s)
     return OpenAIModel(spec.base_url, spec.model, spec.api_key_env, spec.timeout_s)

@@ -217,6 +217,23 @@ async def test_stub_waits_ttft_then_streams_declared_tokens() -> None:
 
 
 @pytest.mark.anyio
+async def test_stub_with_a_tick_gives_every_token_due_together() -> None:
+    """One wake a tick, not one per token: the same text, in fewer deltas, never early."""
+    exact = await collect(StubModel(ttft_s=0.0, per_token_s=0.005, tokens=40), user("hello"))
+    started = time.monotonic()
+    ticked = await collect(
+        StubModel(ttft_s=0.0, per_token_s=0.005, tokens=40, tick_s=0.05), user("hello")
+    )
+    elapsed = time.monotonic() - started
+    assert text_of(ticked) == text_of(exact)
+    assert elapsed >= 39 * 0.005
+    deltas = [e for e in ticked if isinstance(e, TextDelta)]
+    # 0.195 s of tokens at one wake per 0.05 s: the first at once, then at most four more.
+    assert 2 <= len(deltas) <= 6 < len([e for e in exact if isinstance(e, TextDelta)])
+    assert finish_of(ticked) == finish_of(exact)
+
+
+@pytest.mark.anyio
 async def test_stub_tool_call_follows_directives_after_ttft() -> None:
     stub = StubModel(ttft_s=0.1, per_token_s=0.001, tokens=5)
     started = time.monotonic()
@@ -246,6 +263,8 @@ def test_chat_message_rejects_inconsistent_shapes() -> None:
         ("stub:ttft=300ms,per_token=12ms,tokens=200", StubSpec(0.3, 0.012, 200)),
         ("stub:tokens=50", StubSpec(0.3, 0.012, 50)),
         ("stub:ttft=1.5s", StubSpec(1.5, 0.012, 200)),
+        ("stub:tick=0ms", StubSpec(0.3, 0.012, 200, 0.0)),
+        ("stub:tick=10ms,tokens=5", StubSpec(0.3, 0.012, 5, 0.01)),
         ("stub:per_token=0ms,ttft=0s", StubSpec(0.0, 0.0, 200)),
         ("openai:http://127.0.0.1:8000/v1", OpenAISpec("http://127.0.0.1:8000/v1")),
         ("openai:http://127.0.0.1:8000/v1/", OpenAISpec("http://127.0.0.1:8000/v1")),
