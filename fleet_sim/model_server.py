@@ -55,6 +55,9 @@ class ModelServerConfig:
     api_key: str | None = field(default=None, repr=False)
     """When set, requests must carry ``Authorization: Bearer <api_key>``."""
     models: tuple[str, ...] = ("mock",)
+    stamp: bool = False
+    """Each word of a plain reply is the monotonic clock, in ns, at the moment it is sent (one
+    clock for every process of the machine): a reader measures how long each took to reach it."""
 
     def __post_init__(self) -> None:
         if self.ttft_s < 0 or self.per_token_s < 0:
@@ -308,6 +311,8 @@ async def _stream(
                 return response
             due = start + model_script.unit_offset(i, config.ttft_s, config.per_token_s)
             await _sleep_until(due)
+            if config.stamp and delta.get("content"):
+                delta = {"content": f" {time.monotonic_ns()}"}
             await send(choice(delta, finish))
         if include_usage:
             await send({"choices": [], "usage": _usage(reply)})
@@ -391,6 +396,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--api-key-env", default=None, metavar="VAR", help="require the key held in VAR"
     )
+    parser.add_argument(
+        "--stamp",
+        action="store_true",
+        help="each word of a plain reply is the sender's monotonic clock in ns (for measuring "
+        "how long tokens take to reach a client)",
+    )
     return parser
 
 
@@ -406,6 +417,7 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelS
             per_token_s=args.per_token_ms / 1000,
             tokens=args.tokens,
             api_key=api_key,
+            stamp=args.stamp,
         )
     except ValueError as exc:
         parser.error(str(exc))

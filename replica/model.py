@@ -112,7 +112,10 @@ class _ScriptedModel:
         loop = asyncio.get_running_loop()
         start = loop.time()
         units = reply.units[:cut]
-        ttft, per_token, tick = self._ttft_s, self._per_token_s, self._tick_s
+        ttft, per_token = self._ttft_s, self._per_token_s
+        # An instant stream (no time per token) keeps a step per token: its tokens are all due
+        # at once, and one delta of all of them is not a stream.
+        tick = self._tick_s if per_token > 0 else 0.0
         woke = -math.inf
         i = 0
         while i < len(units):
