@@ -154,6 +154,9 @@ async def run_turn(live: LiveSession, prompt: str, run_id: str, deps: TurnDeps) 
     try:
         await _turn(live, prompt, run_id, deps)
     finally:
+        # Every ending publishes turn_ended, which sends the gathered text first; an ending that
+        # raised before it (the final commit failing in storage) must not leave it to a timer.
+        live.flush_text()
         live.turn = None  # however the turn ended, late readers must not see it replayed
 
 
@@ -264,7 +267,7 @@ async def _stream_step(
             if isinstance(item, TextDelta):
                 text = clean(item.text)
                 run.text += text
-                run.live.publish(protocol.event("text_delta", run_id=run.run_id, text=text))
+                run.live.publish_delta(run.run_id, text)
             elif isinstance(item, ToolCallEvent):
                 call = item.call
                 item = ToolCallEvent(

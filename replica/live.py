@@ -4,6 +4,10 @@ Frames fan out to subscribers (WebSocket connections and SSE streams) through bo
 queues; a reader that falls too far behind is dropped with a ``reconnect`` rather than allowed to
 grow memory. The frames of the turn in flight are kept (up to 4 MiB) so a reader that attaches
 mid-turn gets the turn replayed from its start. Each frame is serialised once, whoever reads it.
+
+A turn's text deltas are gathered (``replica.coalescing``) and published as one frame when the
+session's window closes, when the text reaches its size bound, or before any other frame; the
+replay keeps the frames as published, so a late reader sees what the others saw.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from replica import protocol
+from replica.coalescing import DEFAULT_COALESCING, Coalescer, Coalescing, Gathered
 from replica.errors import LockLost
 from replica.store import Committed, OwnedSession, Superseded
 from replica.transcript import Message
@@ -142,6 +147,8 @@ class LiveSession:
         run_io: Callable[..., Any],
         on_superseded: Callable[[LiveSession], None],
         queue_frames: int = SUBSCRIBER_QUEUE_FRAMES,
+        coalescing: Coalescing = DEFAULT_COALESCING,
+        on_text_frame: Callable[[int], None] = lambda deltas: None,
     ) -> None:
         self.tenant = tenant
         self.session = session
@@ -162,6 +169,12 @@ class LiveSession:
         self._run_io = run_io
         self._queue_frames = queue_frames
         self._on_superseded = on_superseded
+        self._coalescing = coalescing
+        self._coalescer = Coalescer(coalescing.max_chars)
+        # Armed by the first delta of a window, cancelled by any flush: one timer per window,
+        # never one per token. Armed exactly while text is gathered.
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._on_text_frame = on_text_frame
 
     # -- attachment -------------------------------------------------------------------------
 
@@ -204,6 +217,42 @@ class LiveSession:
     # -- frames -----------------------------------------------------------------------------
 
     def publish(self, frame: dict[str, Any]) -> None:
+        """Send a frame to every reader, after the text gathered before it."""
+        if self._coalescer.pending:
+            self.flush_text()
+        self._send(frame)
+
+    def publish_delta(self, run_id: str, text: str) -> None:
+        """A model's text delta: gathered while the session's window is open, sent at once
+        when coalescing is off."""
+        if not self._coalescing.enabled:
+            self._send_text(Gathered(run_id, text, 1))
+            return
+        for due in self._coalescer.append(run_id, text):
+            self._send_text(due)
+        if not self._coalescer.pending:
+            self._cancel_timer()
+        elif self._flush_timer is None:
+            loop = asyncio.get_running_loop()
+            self._flush_timer = loop.call_later(self._coalescing.window_s, self.flush_text)
+
+    def flush_text(self) -> None:
+        """Send the gathered text now: its window closed, or another frame must follow it."""
+        self._cancel_timer()
+        gathered = self._coalescer.flush()
+        if gathered is not None:
+            self._send_text(gathered)
+
+    def _cancel_timer(self) -> None:
+        timer, self._flush_timer = self._flush_timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _send_text(self, gathered: Gathered) -> None:
+        self._on_text_frame(gathered.deltas)
+        self._send(protocol.event("text_delta", run_id=gathered.run_id, text=gathered.text))
+
+    def _send(self, frame: dict[str, Any]) -> None:
         text = protocol.dumps(frame)
         event_id = frame["leaf_id"] if frame["type"] == "committed" else None
         if self.turn is not None and frame["type"] != "committed":
@@ -273,5 +322,6 @@ class LiveSession:
         self._on_superseded(self)
 
     def close_readers(self) -> None:
+        self.flush_text()  # queued frames still reach a closed reader; gathered text must too
         for subscriber in list(self.subscribers):
             subscriber.close()

@@ -108,6 +108,14 @@ class ReplicaMetrics:
         for kind in STREAM_KINDS:
             self.streams_open.labels(kind)
             self.streams_lagged.labels(kind)
+        self.text_deltas = Counter(
+            "agent_text_deltas_total", "Text deltas streamed by the model", registry=r
+        )
+        self.text_frames = Counter(
+            "agent_text_frames_total",
+            "text_delta frames published to a session's readers; each holds one or more deltas",
+            registry=r,
+        )
         self.reaped = Counter("agent_sessions_reaped_total", "Idle sessions closed", registry=r)
         self.lifecycle_dropped = Counter(
             "agent_lifecycle_dropped_total",
@@ -125,6 +133,11 @@ class ReplicaMetrics:
 
     def refuse(self, reason: str) -> None:
         self.refusals.labels(reason).inc()
+
+    def text_frame(self, deltas: int) -> None:
+        """One coalesced frame published, holding ``deltas`` of the model's deltas."""
+        self.text_frames.inc()
+        self.text_deltas.inc(deltas)
 
     def stray_labels(self) -> list[str]:
         """Label values outside the closed vocabulary; must always be empty."""

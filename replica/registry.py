@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from replica.coalescing import DEFAULT_COALESCING, Coalescing
 from replica.errors import Forbidden, Misdirected, Unavailable
 from replica.grants import Grant
 from replica.live import SUBSCRIBER_QUEUE_FRAMES, LiveSession, LiveState, SessionContext
@@ -38,6 +39,7 @@ class Registry:
         metrics: ReplicaMetrics,
         storage_threads: int = 64,
         queue_frames: int = SUBSCRIBER_QUEUE_FRAMES,
+        coalescing: Coalescing = DEFAULT_COALESCING,
         clock: Callable[[], float] = time.monotonic,
         on_open: Callable[[LiveSession], None] = lambda live: None,
         shard_ok: Callable[[Shard], bool] = lambda shard: True,
@@ -53,6 +55,7 @@ class Registry:
         self._executor = ThreadPoolExecutor(storage_threads, thread_name_prefix="storage")
         self._clock = clock
         self._queue_frames = queue_frames
+        self._coalescing = coalescing
         self._on_open = on_open
         self.shard_ok = shard_ok
         self._parking: dict[str, asyncio.Task[None]] = {}
@@ -142,6 +145,8 @@ class Registry:
             run_io=self.run_io,
             on_superseded=self._superseded,
             queue_frames=self._queue_frames,
+            coalescing=self._coalescing,
+            on_text_frame=self.metrics.text_frame,
         )
         self.sessions[sid] = live
         self.metrics.sessions_live.set(len(self.sessions))

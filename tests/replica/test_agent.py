@@ -19,6 +19,7 @@ from replica.agent import (
     run_turn,
     to_chat,
 )
+from replica.coalescing import DEFAULT_COALESCING, Coalescing
 from replica.live import LiveSession, SessionContext, Subscriber
 from replica.locking import NoLocking
 from replica.model import MockModel, StubModel
@@ -143,13 +144,32 @@ class Rig:
         return history.transcript.messages, history.batches
 
 
-@pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
+def make_rig(tmp_path: Path, coalescing: Coalescing) -> Iterator[Rig]:
     store = SessionStore(tmp_path)
     owned = store.open("acme", SID, DEK)
-    live = LiveSession("acme", SID, owned, CONTEXT, run_io=run_io, on_superseded=lambda s: None)
+    live = LiveSession(
+        "acme",
+        SID,
+        owned,
+        CONTEXT,
+        run_io=run_io,
+        on_superseded=lambda s: None,
+        coalescing=coalescing,
+    )
     yield Rig(store, live, live.attach("ws"), FakeSandbox(), [])
     owned.release()
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    yield from make_rig(tmp_path, DEFAULT_COALESCING)
+
+
+@pytest.fixture
+def held_rig(tmp_path: Path) -> Iterator[Rig]:
+    """A rig whose coalescing window never closes within a test: text goes out only when the
+    turn's next frame, or its end, sends it."""
+    yield from make_rig(tmp_path, Coalescing(window_s=60.0))
 
 
 def kinds(frames: list[dict[str, Any]]) -> list[str]:
@@ -458,3 +478,89 @@ async def test_abort_while_the_prompt_commits_ends_the_turn(rig: Rig) -> None:
         await task
     assert live.turn is None
     assert json.loads(reader.queue[-1].text)["event"]["kind"] == "turn_ended"
+
+
+# -- text deltas coalesced ------------------------------------------------------------------------
+
+
+class Chatty:
+    """Says something in small deltas, then calls bash (once), then, if ``then`` says so,
+    breaks off or hangs instead of finishing."""
+
+    def __init__(self, pieces: Sequence[str], then: str = "finish") -> None:
+        self.pieces = pieces
+        self.then = then
+        self.spoken = asyncio.Event()
+
+    async def stream(
+        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *, max_tokens: int
+    ) -> AsyncIterator[ModelEvent]:
+        await asyncio.sleep(0)
+        for piece in self.pieces:
+            yield TextDelta(piece)
+        self.spoken.set()
+        if self.then == "break":
+            raise ModelStreamError("stream broke off")
+        if self.then == "hang":
+            await asyncio.Event().wait()
+        if messages[-1].role != "tool":
+            yield ToolCallEvent(ToolCall("call0", "bash", json.dumps({"command": "true"})))
+        yield Finish("tool_calls", 10, len(self.pieces))
+
+    async def aclose(self) -> None:
+        return None
+
+
+def text_of(frames: list[dict[str, Any]]) -> str:
+    return "".join(f["event"]["text"] for f in frames if kinds([f]) == ["text_delta"])
+
+
+async def test_text_streamed_before_a_tool_call_is_sent_before_it(held_rig: Rig) -> None:
+    model = Chatty(["let ", "me ", "look"])
+    await run_turn(held_rig.live, "look", "r1", held_rig.deps(model, TurnBudget(max_steps=2)))
+    frames = held_rig.frames()
+    assert kinds(frames) == [
+        "turn_started",
+        "committed",
+        "text_delta",  # the three deltas, one frame, sent by the tool call that follows
+        "tool_call",
+        "tool_result",
+        "text_delta",  # the second step's, sent by the commit
+        "committed",
+        "turn_ended",
+    ]
+    assert text_of(frames) == "let me looklet me look"
+    messages, _ = held_rig.history()
+    assert [m.content for m in messages if m.role == "assistant"] == ["let me look"] * 2
+
+
+async def test_a_model_error_comes_after_the_text_streamed_before_it(held_rig: Rig) -> None:
+    model = Chatty(["half ", "a ", "thought"], then="break")
+    await run_turn(held_rig.live, "think", "r1", held_rig.deps(model))
+    frames = held_rig.frames()
+    assert kinds(frames) == [
+        "turn_started",
+        "committed",
+        "text_delta",
+        "error",
+        "committed",
+        "turn_ended",
+    ]
+    messages, _ = held_rig.history()
+    assert text_of(frames) == messages[-1].content == "half a thought"
+
+
+async def test_an_abort_sends_the_gathered_text_before_the_turn_ends(held_rig: Rig) -> None:
+    model = Chatty(["still ", "typing"], then="hang")
+    task = asyncio.create_task(run_turn(held_rig.live, "go", "r1", held_rig.deps(model)))
+    held_rig.live.turn_task = task
+    await asyncio.wait_for(model.spoken.wait(), 5.0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    frames = held_rig.frames()
+    assert kinds(frames) == ["turn_started", "committed", "text_delta", "committed", "turn_ended"]
+    assert frames[-1]["event"]["outcome"] == "aborted"
+    messages, _ = held_rig.history()
+    assert text_of(frames) == messages[-1].content == "still typing"
+    assert held_rig.live._flush_timer is None  # nothing left to go out on a timer later

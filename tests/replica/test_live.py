@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import pytest
 
 from replica import protocol
+from replica.coalescing import DEFAULT_COALESCING, Coalescing
 from replica.live import (
     REPLAY_CAP_BYTES,
     LiveSession,
@@ -22,6 +23,7 @@ from replica.live import (
 from replica.locking import NoLocking
 from replica.store import SessionStore
 from replica.transcript import Message, UnknownMessage
+from tests.harness import eventually_async
 from wire.names import parse_session_id
 
 pytestmark = pytest.mark.anyio
@@ -35,10 +37,25 @@ async def run_io(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
-def make_live(store: SessionStore, superseded: list[LiveSession] | None = None) -> LiveSession:
+def make_live(
+    store: SessionStore,
+    superseded: list[LiveSession] | None = None,
+    coalescing: Coalescing = DEFAULT_COALESCING,
+    text_frames: list[int] | None = None,
+) -> LiveSession:
     owned = store.open("acme", SID, DEK)
     sink = superseded if superseded is not None else []
-    return LiveSession("acme", SID, owned, CONTEXT, run_io=run_io, on_superseded=sink.append)
+    counted = text_frames if text_frames is not None else []
+    return LiveSession(
+        "acme",
+        SID,
+        owned,
+        CONTEXT,
+        run_io=run_io,
+        on_superseded=sink.append,
+        coalescing=coalescing,
+        on_text_frame=counted.append,
+    )
 
 
 @pytest.fixture
@@ -222,3 +239,170 @@ async def test_attachment_and_reapability(live: LiveSession) -> None:
     assert not live.running and live.reapable(now, 60)
     live.state = LiveState.CLOSING
     assert not live.reapable(now, 60)
+
+
+# -- coalescing of text deltas -------------------------------------------------------------------
+
+# A window that never closes within a test: only the rule under test sends the text.
+LONG_WINDOW = Coalescing(window_s=60.0)
+
+
+@pytest.fixture
+def held(tmp_path: Path) -> Iterator[tuple[LiveSession, list[int]]]:
+    counted: list[int] = []
+    session = make_live(SessionStore(tmp_path), coalescing=LONG_WINDOW, text_frames=counted)
+    yield session, counted
+    session.owned.release()
+
+
+def texts(frames: list[dict[str, Any]]) -> list[str]:
+    return [f["event"]["text"] for f in frames if f["type"] == "event" and "text" in f["event"]]
+
+
+def delta(text: str, run_id: str = "r1") -> dict[str, Any]:
+    return protocol.event("text_delta", run_id=run_id, text=text)
+
+
+async def test_a_window_of_deltas_is_one_frame_on_one_timer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counted: list[int] = []
+    live = make_live(SessionStore(tmp_path), coalescing=Coalescing(0.01), text_frames=counted)
+    try:
+        loop = asyncio.get_running_loop()
+        armed: list[float] = []
+        real = loop.call_later
+
+        def counting(delay: float, callback: Any, *args: Any) -> asyncio.TimerHandle:
+            if callback == live.flush_text:  # the polling below sleeps on timers too
+                armed.append(delay)
+            return real(delay, callback, *args)
+
+        monkeypatch.setattr(loop, "call_later", counting)
+        reader = live.attach("ws")
+        live.turn = TurnBuffer("r1")
+        for piece in ("one ", "two ", "three"):
+            live.publish_delta("r1", piece)
+        assert not reader.queue and armed == [0.01]  # gathered, on the first delta's timer
+        await eventually_async(lambda: reader.queue, timeout=5.0, interval=0.005)
+        assert drain(reader) == [delta("one two three")] and counted == [3]
+        assert live.turn.frames == [delta("one two three")]  # the replay holds what was sent
+        live.publish_delta("r1", "four")  # the next window arms the next timer
+        assert armed == [0.01, 0.01]
+        await eventually_async(lambda: reader.queue, timeout=5.0, interval=0.005)
+        assert drain(reader) == [delta("four")] and counted == [3, 1]
+    finally:
+        live.owned.release()
+
+
+async def test_any_other_frame_sends_the_gathered_text_first(
+    held: tuple[LiveSession, list[int]],
+) -> None:
+    live, counted = held
+    reader = live.attach("sse")
+    live.publish_delta("r1", "let me ")
+    live.publish_delta("r1", "look")
+    call = protocol.event("tool_call", run_id="r1", id="c1", name="bash", arguments="{}")
+    live.publish(call)
+    live.publish_delta("r1", "found it")
+    live.publish(protocol.committed("m2"))
+    live.publish_delta("r1", "bye")
+    live.publish(protocol.event("turn_ended", run_id="r1", outcome="succeeded", reason="stop"))
+    assert drain(reader) == [
+        delta("let me look"),
+        call,
+        delta("found it"),
+        protocol.committed("m2"),
+        delta("bye"),
+        protocol.event("turn_ended", run_id="r1", outcome="succeeded", reason="stop"),
+    ]
+    assert counted == [2, 1, 1] and live._flush_timer is None  # no timer left behind
+
+
+async def test_the_size_bound_sends_before_the_window_closes(tmp_path: Path) -> None:
+    counted: list[int] = []
+    bounded = Coalescing(window_s=60.0, max_chars=8)
+    live = make_live(SessionStore(tmp_path), coalescing=bounded, text_frames=counted)
+    try:
+        reader = live.attach("ws")
+        live.publish_delta("r1", "abcd")
+        assert not reader.queue and live._flush_timer is not None
+        live.publish_delta("r1", "efgh")
+        assert drain(reader) == [delta("abcdefgh")] and counted == [2]
+        assert live._flush_timer is None  # the flush took the window's timer with it
+    finally:
+        live.owned.release()
+
+
+async def test_window_zero_is_one_frame_per_delta_as_before(tmp_path: Path) -> None:
+    counted: list[int] = []
+    live = make_live(SessionStore(tmp_path), coalescing=Coalescing(0.0), text_frames=counted)
+    try:
+        reader = Subscriber("ws", limit=100)
+        live.subscribers.add(reader)
+        live.turn = TurnBuffer("r1")
+        for piece in ("a", "b", "c"):
+            live.publish_delta("r1", piece)
+        # The reader's queue merges deltas it has not taken, as it always has; the replay and
+        # the count show one frame per delta.
+        assert live.turn.frames == [delta("a"), delta("b"), delta("c")] and counted == [1, 1, 1]
+        assert live._flush_timer is None
+    finally:
+        live.owned.release()
+
+
+async def test_a_reader_attaching_mid_window_gets_the_gathered_text_after_its_catchup(
+    held: tuple[LiveSession, list[int]],
+) -> None:
+    live, _ = held
+    early = live.attach("ws")
+    live.turn = TurnBuffer("r1")
+    live.publish(protocol.event("turn_started", run_id="r1"))
+    live.publish_delta("r1", "sent ")
+    live.publish(protocol.event("tool_result", run_id="r1", id="c1", content="x", is_error=False))
+    live.publish_delta("r1", "gathered ")
+    catchup = live.catchup(None)  # taken as a reader attaches, in the same step
+    late = live.attach("sse")
+    live.publish_delta("r1", "and more")
+    live.publish(protocol.event("turn_ended", run_id="r1", outcome="succeeded", reason="stop"))
+    assert texts(catchup["turn"]) == ["sent "]  # the replay holds only frames already sent
+    assert "".join(texts(catchup["turn"]) + texts(drain(late))) == "sent gathered and more"
+    assert "".join(texts(drain(early))) == "sent gathered and more"
+
+
+async def test_closing_the_readers_sends_the_gathered_text_first(
+    held: tuple[LiveSession, list[int]],
+) -> None:
+    live, _ = held
+    reader = live.attach("ws")
+    live.publish_delta("r1", "last words")
+    live.close_readers()
+    sent = await next_within(reader)
+    assert sent is not None and json.loads(sent.text) == delta("last words")
+    assert await next_within(reader) is None
+
+
+async def test_superseded_comes_after_the_gathered_text(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path, locker=NoLocking())
+    live = make_live(store, coalescing=LONG_WINDOW)
+    try:
+        reader = live.attach("ws")
+        live.publish_delta("r1", "half a")
+        live.supersede()
+        assert drain(reader) == [delta("half a"), protocol.superseded("a07-s1.live1")]
+        assert live._flush_timer is None
+    finally:
+        live.owned.release()
+
+
+async def test_a_lagging_reader_is_dropped_as_before_when_frames_are_coalesced(
+    held: tuple[LiveSession, list[int]],
+) -> None:
+    live, _ = held
+    slow, fast = Subscriber("ws", limit=2), live.attach("ws")
+    live.subscribers.add(slow)
+    for i in range(3):
+        live.publish_delta("r1", f"text {i}")
+        live.publish(protocol.event("tool_call", run_id="r1", id=f"c{i}", name="bash"))
+    assert slow.lagged and not slow.queue and await next_within(slow) is None
+    assert not fast.lagged and len(fast.queue) == 6

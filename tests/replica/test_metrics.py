@@ -29,6 +29,8 @@ UNLABELLED = [
     "agent_runs_in_flight",
     "agent_sessions_superseded_total",
     "agent_sessions_reaped_total",
+    "agent_text_deltas_total",
+    "agent_text_frames_total",
     "agent_lock_wait_seconds_count",
     "agent_ready_probe_seconds_count",
     "agent_commit_seconds_count",
@@ -58,6 +60,9 @@ def test_counting_moves_only_the_named_child() -> None:
     assert get("agent_refusals_total", {"reason": "capacity"}) == 2.0
     assert get("agent_refusals_total", {"reason": "draining"}) == 0.0
     assert get("agent_turns_total", {"outcome": "aborted"}) == 1.0
+    metrics.text_frame(5)
+    metrics.text_frame(1)
+    assert (get("agent_text_frames_total"), get("agent_text_deltas_total")) == (2.0, 6.0)
     assert metrics.stray_labels() == []
 
 
