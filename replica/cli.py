@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from replica.agent import DEFAULT_BUDGET, TurnBudget
+from replica.coalescing import DEFAULT_MAX_CHARS, DEFAULT_WINDOW_MS
 from replica.errors import ConfigError, CorruptHistory, StorageUnavailable
 from replica.history import History, read_history
 from replica.keyfiles import read_key_file
@@ -137,6 +138,23 @@ def _add_serve(commands: Any) -> None:
         metavar="N",
         help="frames a WebSocket or SSE reader may fall behind before it is told to reconnect",
     )
+    add(
+        "--coalesce-ms",
+        type=float,
+        default=DEFAULT_WINDOW_MS,
+        metavar="MS",
+        help="gather a turn's text deltas for up to MS milliseconds and send them as one frame; "
+        "any other frame sends what is gathered first; 0 sends every delta as its own frame "
+        f"(default {DEFAULT_WINDOW_MS:g})",
+    )
+    add(
+        "--coalesce-max-chars",
+        type=int,
+        default=DEFAULT_MAX_CHARS,
+        metavar="N",
+        help="send the gathered text at once when it reaches N characters, before its window "
+        f"closes (default {DEFAULT_MAX_CHARS})",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -173,6 +191,8 @@ def _serve(args: argparse.Namespace) -> int:
             ),
             keepalive_s=args.sse_keepalive,
             stream_queue_frames=args.stream_queue_frames,
+            coalesce_ms=args.coalesce_ms,
+            coalesce_max_chars=args.coalesce_max_chars,
         )
     except (ConfigError, InvalidName) as exc:
         print(f"fleet-replica: {exc}", file=sys.stderr)

@@ -2,11 +2,13 @@
 
 Every flag is validated before anything listens: a relative shard path, a shard named twice, a
 grant key id given twice, ``--service`` without ``--notify-origin``, a routable
-``--metrics-listen``: each is refused with a message naming the flag, and a non-zero exit.
+``--metrics-listen``, a ``--coalesce-ms`` that is not a number of milliseconds (negative, NaN,
+above a second): each is refused with a message naming the flag, and a non-zero exit.
 """
 
 from __future__ import annotations
 
+import math
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +18,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from replica.agent import TurnBudget
+from replica.coalescing import (
+    DEFAULT_MAX_CHARS,
+    DEFAULT_WINDOW_MS,
+    MAX_CHARS_CAP,
+    MAX_WINDOW_MS,
+    Coalescing,
+)
 from replica.errors import ConfigError
 from replica.keyfiles import parse_grant_key_arg, read_key_file, read_seal_key
 from replica.metrics import require_loopback
@@ -89,6 +98,7 @@ class ServeConfig:
     budget: TurnBudget = field(default_factory=TurnBudget)
     keepalive_s: float = 15.0
     stream_queue_frames: int = 2048
+    coalescing: Coalescing = field(default_factory=Coalescing)
     audience: str = "beyond-fleet"
     issuer: str = "beyond-control-plane"
 
@@ -98,6 +108,18 @@ def _replica_name(value: str) -> str:
         return parse_replica_name(value)
     except InvalidName as exc:
         raise ConfigError(f"--name: {exc}") from None
+
+
+def parse_coalescing(window_ms: float, max_chars: int) -> Coalescing:
+    # NaN compares false with everything, so a plain range check would let it through.
+    if not math.isfinite(window_ms) or not 0 <= window_ms <= MAX_WINDOW_MS:
+        raise ConfigError(
+            f"--coalesce-ms must be a number of milliseconds from 0 (off) to {MAX_WINDOW_MS:g}, "
+            f"got {window_ms}"
+        )
+    if not 1 <= max_chars <= MAX_CHARS_CAP:
+        raise ConfigError(f"--coalesce-max-chars must be 1-{MAX_CHARS_CAP}, got {max_chars}")
+    return Coalescing(window_ms / 1000, max_chars)
 
 
 def build_config(
@@ -119,6 +141,8 @@ def build_config(
     budget: TurnBudget,
     keepalive_s: float = 15.0,
     stream_queue_frames: int = 2048,
+    coalesce_ms: float = DEFAULT_WINDOW_MS,
+    coalesce_max_chars: int = DEFAULT_MAX_CHARS,
 ) -> ServeConfig:
     if not service:
         raise ConfigError("serve needs --service: the replica runs only as a fleet member")
@@ -150,6 +174,7 @@ def build_config(
         raise ConfigError("--stream-queue-frames must be at least 1")
     if drain_grace < 0:
         raise ConfigError("--drain-grace must not be negative")
+    coalescing = parse_coalescing(coalesce_ms, coalesce_max_chars)
     metrics = None
     if metrics_listen is not None:
         metrics = parse_hostport(metrics_listen, "--metrics-listen")
@@ -179,4 +204,5 @@ def build_config(
         budget=budget,
         keepalive_s=keepalive_s,
         stream_queue_frames=stream_queue_frames,
+        coalescing=coalescing,
     )

@@ -138,6 +138,7 @@ class ReplicaService:
             idle_timeout_s=config.session_idle_timeout_s,
             metrics=self.metrics,
             queue_frames=config.stream_queue_frames,
+            coalescing=config.coalescing,
             on_open=self._on_open,
         )
         self.lifecycle = Lifecycle(

@@ -109,6 +109,23 @@ def test_help_and_a_bad_flag(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_coalescing_flags_are_explained_and_checked(tmp_path: Path) -> None:
+    flat = " ".join(fleet_replica(tmp_path, "serve", "--help").stdout.split())
+    assert "--coalesce-ms MS gather a turn's text deltas for up to MS milliseconds" in flat
+    assert "0 sends every delta as its own frame (default 25)" in flat
+    assert "--coalesce-max-chars N send the gathered text at once" in flat
+    shard = tmp_path / "shard"
+    shard.mkdir()
+    args = serve_args(tmp_path / "keys", shard, "r1")
+    for value in ("nan", "-1"):
+        proc = fleet_replica(tmp_path, *args, "--coalesce-ms", value)
+        assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+        (line,) = proc.stderr.splitlines()
+        assert line.startswith("fleet-replica: --coalesce-ms must be a number of milliseconds")
+    proc = fleet_replica(tmp_path, *args, "--coalesce-ms", "fast")
+    assert proc.returncode == 2 and "argument --coalesce-ms: invalid float value" in proc.stderr
+
+
 @pytest.mark.parametrize(
     ("name", "why"),
     [("r 1", "' ' at position 1"), ("r\t1", "'\\t' at position 1"), ("", "is empty")],

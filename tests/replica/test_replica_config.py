@@ -9,6 +9,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from replica.agent import TurnBudget
+from replica.coalescing import DEFAULT_COALESCING, Coalescing
 from replica.config import (
     SERVICE_IDLE_TIMEOUT_S,
     ServeConfig,
@@ -170,6 +171,21 @@ def test_numbers_model_listen_and_lifecycle(flags: dict[str, Any]) -> None:
     refused(flags, "--listen", listen="9101")
     refused(flags, "--lifecycle-url", lifecycle_url="ftp://cp/events")
     refused(flags, "--lifecycle-url", lifecycle_url="/events")
+
+
+def test_coalescing_flags(flags: dict[str, Any]) -> None:
+    assert build_config(**flags).coalescing == DEFAULT_COALESCING
+    off = build_config(**{**flags, "coalesce_ms": 0.0}).coalescing
+    assert off == Coalescing(0.0, 4096) and not off.enabled
+    tuned = build_config(**{**flags, "coalesce_ms": 12.5, "coalesce_max_chars": 64})
+    assert tuned.coalescing == Coalescing(0.0125, 64)
+    assert build_config(**{**flags, "coalesce_ms": 1000.0}).coalescing.window_s == 1.0
+    for window in (-1.0, -0.0001, float("nan"), float("inf"), float("-inf"), 1000.5):
+        message = refused(flags, "--coalesce-ms", coalesce_ms=window)
+        assert "from 0 (off) to 1000" in message
+    for chars in (0, -5, 65_537):
+        refused(flags, "--coalesce-max-chars must be 1-65536", coalesce_max_chars=chars)
+    assert build_config(**{**flags, "coalesce_max_chars": 1}).coalescing.max_chars == 1
 
 
 def test_parse_hostport() -> None:
