@@ -105,6 +105,8 @@ async def test_the_sink_batches_lines_and_writes_them_soon(
         write(delivered(), 0.002)
         write(delivered(), 0.003)
         assert stream.getvalue() == ""  # buffered, not yet written
+        # Not a wait for anything: the sink's timer (flush_after_s, 0.05 s) is what is under
+        # test, and the loop runs timers in deadline order, so it has fired by this sleep's end.
         await asyncio.sleep(0.2)
     lines = stream.getvalue().splitlines()
     assert len(lines) == 2 and not caplog.messages  # the sink, not the logger

@@ -209,6 +209,20 @@ async def owners(url: str, sids: list[str]) -> dict[str, str]:
     return found
 
 
+async def said_until(stream: asyncio.StreamReader, text: str, wait_s: float) -> str:
+    """What ``stream`` says up to and including the first line that holds ``text``."""
+    lines: list[bytes] = []
+    try:
+        async with asyncio.timeout(wait_s):
+            while not lines or text.encode() not in lines[-1]:
+                line = await stream.readline()
+                assert line, f"the stream ended before {text!r}: {b''.join(lines)!r}"
+                lines.append(line)
+    except TimeoutError:
+        raise TimeoutError(f"no {text!r} in {wait_s} s: {b''.join(lines)[-2000:]!r}") from None
+    return b"".join(lines).decode()
+
+
 @pytest.mark.anyio
 async def test_serve_reloads_on_sighup_and_drains_on_sigterm(tmp_path: Path) -> None:
     replicas = [FakeReplica(name, ok(name.encode())) for name in ("r1", "r2", "r3")]
@@ -257,12 +271,12 @@ async def test_serve_reloads_on_sighup_and_drains_on_sigterm(tmp_path: Path) -> 
 
         config.write_text("[edge]\nretry_budget = 5\n")  # a misspelt key: refused
         proc.send_signal(signal.SIGHUP)
-        await asyncio.sleep(0.5)
+        said = await said_until(proc.stderr, "config reload failed", 20)
         assert await owners(url, sids) == after
 
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 20) == 0
-        stderr = (await proc.stderr.read()).decode()
+        stderr = said + (await proc.stderr.read()).decode()
     finally:
         if proc.returncode is None:
             proc.kill()

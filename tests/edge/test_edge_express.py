@@ -163,7 +163,7 @@ async def test_an_answer_in_two_writes_is_still_delivered_whole() -> None:
     async def split(writer: asyncio.StreamWriter) -> None:
         writer.write(OK_ANSWER[:-11])
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the replica's two writes reach the edge apart
         writer.write(OK_ANSWER[-11:])
 
     async with raw_fleet(answer_ok, split) as (edge, _), connected(edge.url) as (r, w):
@@ -252,7 +252,7 @@ async def test_a_long_chunked_answer_is_handed_to_the_streaming_relay() -> None:
     async def chunked(writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the second chunk comes later, as from a streaming replica
         writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
 
     async with raw_fleet(answer_ok, chunked) as (edge, _), connected(edge.url) as (r, w):

@@ -189,7 +189,7 @@ async def test_a_body_in_pieces_and_connection_close() -> None:
         for i in range(0, len(whole), 7):
             writer.write(whole[i : i + 7])
             await writer.drain()
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)  # a client that dribbles: the pieces arrive apart
         status, fields, body = await read_response(reader)
         assert (status, body) == (200, b"r1")
         assert fields[b"connection"] == b"close"
@@ -206,7 +206,7 @@ async def test_a_streamed_answer_is_relayed_chunk_by_chunk() -> None:
         await out.prepare(request)
         for part in (b"one ", b"two ", b"three"):
             await out.write(part)
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # a replica that streams: the chunks leave apart
         await out.write_eof()
         return out
 

@@ -136,12 +136,20 @@ async def test_a_client_that_leaves_cancels_its_placement() -> None:
     only = FakeReplica("r1", refuse(503, retry_after=1))
     async with fleet(only, retry_budget_s=30.0) as edge, aiohttp.ClientSession() as client:
         task = asyncio.create_task(client.post(agent(edge.url, "a07-s1.x"), data=b"{}"))
-        await asyncio.sleep(0.3)
+        await eventually_async(
+            lambda: len(only.seen) >= 2, timeout=5.0, message="the placement never retried"
+        )
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.3)
+        await eventually_async(
+            lambda: requests(edge, "command", "client_gone") == 1,
+            timeout=5.0,
+            message="the edge never ended the request of the client that left",
+        )
         asked = len(only.seen)
+        # Not a wait for anything: no further ask is the claim, and 0.3 s is several of the
+        # placement's retry pauses (FAST caps them at 0.05 s).
         await asyncio.sleep(0.3)
         assert len(only.seen) == asked
         assert edge.in_flight == 0

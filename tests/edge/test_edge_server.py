@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import aiohttp
@@ -132,15 +133,23 @@ async def test_over_the_concurrency_limit_requests_are_shed() -> None:
 
 
 @pytest.mark.anyio
-async def test_drain_lets_work_in_progress_finish_and_refuses_new_connections() -> None:
+async def test_drain_lets_work_in_progress_finish_and_refuses_new_connections(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     r1 = FakeReplica("r1", slow(0.3))  # type: ignore[arg-type]
     async with fleet(r1) as edge:
         in_flight = asyncio.create_task(
             get(edge.url + "/_beyond/agent?session_id=a07-s1.x", "POST", data=b"{}")
         )
         await eventually_async(lambda: r1.seen, timeout=2.0)
-        drained = asyncio.create_task(edge.drain(5.0))
-        await asyncio.sleep(0.05)
+        with caplog.at_level(logging.INFO, "edge.server"):
+            drained = asyncio.create_task(edge.drain(5.0))
+            # Logged once the drain has stopped accepting and waits for the request in flight.
+            await eventually_async(
+                lambda: "draining: 1 requests in progress" in caplog.text,
+                timeout=2.0,
+                message="the drain never began waiting for the request in flight",
+            )
         assert edge.state is ServerState.DRAINING
         with pytest.raises(aiohttp.ClientConnectionError):
             await get(edge.url + "/livez")

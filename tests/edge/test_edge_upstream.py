@@ -12,6 +12,7 @@ from edge.core.errors import UpstreamBadResponse, UpstreamTimeout, UpstreamUnava
 from edge.upstream.pool import Origin, UpstreamPool, plain_response
 from fleet_sim.ports import free_port
 from fuzz.fuzz_plainresponse import check as check_against_llhttp
+from tests.harness import eventually_async
 
 Conn = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 GET = b"GET /x HTTP/1.1\r\nHost: r\r\n\r\n"
@@ -259,7 +260,11 @@ async def test_an_idle_connection_closed_by_the_replica_is_replaced() -> None:
     pool = UpstreamPool()
     async with raw(one_per_connection) as server:
         assert await request(pool, server.url) == (200, b"hi")
-        await asyncio.sleep(0.05)
+        await eventually_async(
+            lambda: pool.idle_count(server.url) == 0,
+            timeout=2.0,
+            message="the pool never saw the replica close its idle connection",
+        )
         assert await request(pool, server.url) == (200, b"hi")
         assert server.connections == 2
     await pool.close()
@@ -270,6 +275,8 @@ async def test_stale_idle_connections_are_not_reused() -> None:
     pool = UpstreamPool(idle_ttl_s=0.05)
     async with raw(answer_each) as server:
         await request(pool, server.url)
+        # Not a wait for anything: the idle connection's age passing idle_ttl_s is what is
+        # under test (the pool reads the loop's clock, so there is no clock to turn instead).
         await asyncio.sleep(0.1)
         await request(pool, server.url)
         assert server.connections == 2
