@@ -56,7 +56,7 @@ def _merge(queued: Outgoing, item: Outgoing) -> Outgoing | None:
 class Subscriber:
     """One reader's bounded queue. Overflow marks it lagged: it gets ``reconnect`` and is closed."""
 
-    __slots__ = ("_event", "_limit", "closed", "kind", "lagged", "queue")
+    __slots__ = ("_event", "_limit", "closed", "kind", "lagged", "parked", "queue")
 
     def __init__(self, kind: str, limit: int = SUBSCRIBER_QUEUE_FRAMES) -> None:
         self.kind = kind
@@ -65,6 +65,7 @@ class Subscriber:
         self._event = asyncio.Event()
         self.lagged = False
         self.closed = False
+        self.parked = False  # a reader waits in next() for a frame or the end
 
     def offer(self, item: Outgoing) -> None:
         if self.closed or self.lagged:
@@ -95,7 +96,11 @@ class Subscriber:
             if self.lagged or self.closed:
                 return None
             self._event.clear()
-            await self._event.wait()
+            self.parked = True
+            try:
+                await self._event.wait()
+            finally:
+                self.parked = False
         return self.queue.popleft()
 
 

@@ -102,7 +102,7 @@ class ToolLoop:
     ) -> AsyncIterator[ModelEvent]:
         step = len(self.max_tokens)
         self.max_tokens.append(max_tokens)
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # a model's stream yields to the loop, as a real one does
         if step == self.fail_on_step:
             raise ModelStreamError("stream broke off")
         yield TextDelta(f"step {step}")
@@ -461,8 +461,10 @@ async def test_a_new_conversation_is_named_again(rig: Rig) -> None:
 
 async def test_abort_while_the_prompt_commits_ends_the_turn(rig: Rig) -> None:
     gate = asyncio.Event()
+    asked = asyncio.Event()
 
     async def gated_io(fn: Callable[..., T], *args: Any) -> T:
+        asked.set()
         await gate.wait()  # storage that has not answered yet
         return fn(*args)
 
@@ -471,7 +473,9 @@ async def test_abort_while_the_prompt_commits_ends_the_turn(rig: Rig) -> None:
     )
     reader = live.attach("ws")
     task = asyncio.create_task(run_turn(live, "hello", "r1", rig.deps(MockModel())))
-    await asyncio.sleep(0.01)
+    await eventually_async(
+        asked.is_set, timeout=2.0, message="the prompt's commit never reached storage"
+    )
     assert live.turn is not None and not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

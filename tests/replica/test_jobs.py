@@ -15,6 +15,7 @@ from replica.jobs import Reconciler
 from replica.live import LiveSession, SessionContext
 from replica.store import SessionStore
 from replica.transcript import Message
+from tests.harness import eventually_async
 from wire.names import parse_session_id
 
 DEK = bytes(range(32))
@@ -41,7 +42,7 @@ class FakeSandbox:
     async def jobs(self) -> list[Job]:
         self.calls += 1
         self.started.append(time.monotonic())
-        await asyncio.sleep(self.delay)
+        await asyncio.sleep(self.delay)  # a sandbox that takes a while to answer
         return list(self.jobs_list)
 
     async def exec(self, command: str, timeout_s: float) -> Any: ...
@@ -104,10 +105,13 @@ async def test_one_at_a_time_at_most_once_a_second_sixteen_waiting(tmp_path: Pat
     sandbox = FakeSandbox([Job("j1", "running")], delay=0.2)
     reconciler = Reconciler(live, lambda _: sandbox, min_interval_s=0.5)
     waiters = [asyncio.create_task(reconciler.request())]
-    await asyncio.sleep(0.05)  # its reconcile is now running
+    # Its reconcile is running once it has asked the sandbox (which takes 0.2 s to answer).
+    await eventually_async(lambda: sandbox.calls, timeout=2.0, message="no reconcile began")
     assert sandbox.calls == 1
     waiters += [asyncio.create_task(reconciler.request()) for _ in range(15)]
-    await asyncio.sleep(0.01)
+    await eventually_async(
+        lambda: reconciler.waiting == 16, timeout=2.0, message="the 15 requests never all waited"
+    )
     assert reconciler.waiting == 16
     with pytest.raises(Unavailable, match="too many"):
         await reconciler.request()

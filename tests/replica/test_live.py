@@ -97,7 +97,7 @@ async def test_subscriber_overflow_lags_and_ends() -> None:
 async def test_subscriber_waits_for_frames_and_drains_before_closing() -> None:
     sub = Subscriber("sse")
     waiter = asyncio.create_task(next_within(sub))
-    await asyncio.sleep(0.01)
+    await eventually_async(lambda: sub.parked, timeout=1.0, message="the reader never waited")
     assert not waiter.done()
     sub.offer(Outgoing("a", "m1"))
     assert await waiter == Outgoing("a", "m1")
@@ -108,7 +108,7 @@ async def test_subscriber_waits_for_frames_and_drains_before_closing() -> None:
     assert [(await next_within(sub)) for _ in range(3)] == [Outgoing("b"), Outgoing("c"), None]
     blocked = Subscriber("ws")
     pending = asyncio.create_task(next_within(blocked))
-    await asyncio.sleep(0.01)
+    await eventually_async(lambda: blocked.parked, timeout=1.0, message="the reader never waited")
     blocked.close()  # a reader parked in next() wakes up to the close
     assert await pending is None
 
@@ -208,7 +208,7 @@ async def test_a_fenced_commit_supersedes_the_session(tmp_path: Path) -> None:
         frames = drain(reader)
         assert frames == [protocol.superseded("a07-s1.live1")]
         assert reader.closed and await next_within(reader) is None
-        await asyncio.sleep(0)
+        await asyncio.wait({turn}, timeout=1.0)  # the supersede cancelled it: let it end
         assert turn.cancelled()
         assert await live.commit([msg("m2")]) is None
         live.supersede()
@@ -235,7 +235,7 @@ async def test_attachment_and_reapability(live: LiveSession) -> None:
     live.turn_task = asyncio.create_task(asyncio.sleep(10))
     assert live.running and not live.reapable(now, 60)
     live.turn_task.cancel()
-    await asyncio.sleep(0)
+    await asyncio.wait({live.turn_task}, timeout=1.0)
     assert not live.running and live.reapable(now, 60)
     live.state = LiveState.CLOSING
     assert not live.reapable(now, 60)

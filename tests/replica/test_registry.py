@@ -27,7 +27,8 @@ SHARD = parse_shard("a07-s1")
 
 @dataclass(frozen=True)
 class SlowStore(SessionStore):
-    """A real store whose opens take a while and are counted, so overlap is certain."""
+    """A real store whose opens take a while (a stand-in for slow storage, not a wait) and are
+    counted, so overlap is certain."""
 
     opens: list[str] = field(default_factory=list)
     delay_s: float = 0.05
@@ -84,6 +85,16 @@ async def gone(rig: Rig, sid: str) -> None:
     )
 
 
+async def opens_started(rig: Rig, count: int) -> None:
+    """Wait (bounded) until ``count`` opens are under way in the store (each takes a while)."""
+    await eventually_async(
+        lambda: len(rig.store.opens) >= count,
+        timeout=2.0,
+        interval=0.001,
+        message=f"{count} opens did not start",
+    )
+
+
 @pytest.fixture
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     made = await make_rig(tmp_path)
@@ -114,7 +125,7 @@ async def test_concurrent_placements_open_once(rig: Rig) -> None:
 
 async def test_another_tenant_is_forbidden_open_or_opening(rig: Rig) -> None:
     opening = asyncio.create_task(rig.registry.place(grant("a07-s1.two")))
-    await asyncio.sleep(0.01)
+    await opens_started(rig, 1)
     with pytest.raises(Forbidden):
         await rig.registry.place(grant("a07-s1.two", tenant="evil"))
     await opening
@@ -147,7 +158,7 @@ async def test_a_failed_open_reaches_every_waiter_and_can_be_retried(rig: Rig) -
 
 async def test_placement_survives_the_requester_going_away(rig: Rig) -> None:
     request = asyncio.create_task(rig.registry.place(grant("a07-s1.gone")))
-    await asyncio.sleep(0.02)
+    await opens_started(rig, 1)
     request.cancel()
     with pytest.raises(asyncio.CancelledError):
         await request
@@ -163,7 +174,7 @@ async def test_the_live_session_cap_refuses(tmp_path: Path) -> None:
     rig = await make_rig(tmp_path, max_live=2)
     try:
         opening = [asyncio.create_task(rig.registry.place(grant(f"a07-s1.c{i}"))) for i in (1, 2)]
-        await asyncio.sleep(0.01)
+        await opens_started(rig, 2)
         # Sessions still opening count against the cap too.
         with pytest.raises(Unavailable) as info:
             await rig.registry.place(grant("a07-s1.c3"))
@@ -183,8 +194,13 @@ async def test_the_live_session_cap_refuses(tmp_path: Path) -> None:
 async def test_a_closing_session_is_exiting(rig: Rig) -> None:
     live = await rig.registry.place(grant("a07-s1.exit"))
     closing = asyncio.create_task(rig.registry.close(live))
-    for _ in range(3):
-        await asyncio.sleep(0)
+    # Polled at every turn of the loop: the close (a release in a thread) may end soon after.
+    await eventually_async(
+        lambda: live.state is not LiveState.OPEN,
+        timeout=2.0,
+        interval=0,
+        message="the close never began",
+    )
     assert live.state.value == "closing"
     with pytest.raises(Unavailable) as info:
         await rig.registry.place(grant("a07-s1.exit"))
@@ -239,7 +255,7 @@ async def test_reap_once_closes_only_detached_idle_sessions(rig: Rig) -> None:
 async def test_drain_waits_for_a_running_turn_within_the_grace(rig: Rig) -> None:
     live = await rig.registry.place(grant("a07-s1.busy"))
     idle = await rig.registry.place(grant("a07-s1.quiet"))
-    turn = asyncio.create_task(asyncio.sleep(0.2))
+    turn = asyncio.create_task(asyncio.sleep(0.2))  # a stand-in turn that runs 0.2 s
     live.turn_task = turn
     started = time.monotonic()
     await rig.registry.drain(5.0)

@@ -150,6 +150,7 @@ def test_a_job_that_ends_after_the_session_was_reaped_is_told_on_reopen(
             eventually(lambda: lock_is_free(lock), timeout=10)  # reaped while the job runs
 
             def handed_off() -> bool:
+                # The receiver serves only while its loop runs: run it for a slice per poll.
                 loop.run_until_complete(asyncio.sleep(0.05))
                 return any(e.get("type") == "job_ended" for e in receiver.events)
 

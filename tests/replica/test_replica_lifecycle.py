@@ -6,10 +6,12 @@ that is down costing events (counted) but never a turn."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import secrets
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -175,6 +177,18 @@ def test_new_session_archives_into_a_sibling_and_names_the_next_conversation(
     ]
 
 
+def newest_segment(fleet: Fleet, tenant: str, sid: str) -> float:
+    """The modification time the session listing gives ``sid`` (its newest segment's)."""
+    directory = SessionStore(fleet.root / "s1").directory(tenant, parse_session_id(sid))
+    return max(path.stat().st_mtime for path in directory.glob("*.seg"))
+
+
+def stamped_after(probe: Path, moment: float) -> bool:
+    """Whether a file touched now is stamped later than ``moment``."""
+    probe.touch()
+    return probe.stat().st_mtime > moment
+
+
 def test_list_sessions_matches_title_preview_and_id_newest_first(
     fleet: Fleet, replica: Replica
 ) -> None:
@@ -188,7 +202,14 @@ def test_list_sessions_matches_title_preview_and_id_newest_first(
                 post(client, sid, grant, {"type": "prompt", "message": prompt}).status_code == 202
             )
             settled_messages(client, sid, grant)
-            time.sleep(0.02)  # distinct modification times
+            # The listing orders by modification time: the next session's must be later.
+            written = newest_segment(fleet, tenant, sid)
+            eventually(
+                functools.partial(stamped_after, fleet.root / "clock-probe", written),
+                timeout=5,
+                interval=0.005,
+                message="the file system's clock did not move on",
+            )
 
         def listing(query: str, limit: int = 50) -> list[str]:
             body = {"type": "list_sessions", "query": query, "limit": limit}

@@ -4,15 +4,30 @@ Retry-After (the edge walks on), not 500 (which reached a client in a soak)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from pathlib import Path
 
 import pytest
 import websockets
 
-from tests.harness import fleet_at, post
+from replica.store import LOCK_FILE, SessionStore
+from tests.harness import eventually_async, fleet_at, post
+from wire.names import parse_session_id
 
 pytestmark = pytest.mark.slow
+
+
+def holds_open(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` has a descriptor open on ``path``."""
+    target = str(path.resolve())
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd) == target:
+                return True
+        except OSError:  # closed meanwhile
+            continue
+    return False
 
 
 def test_handshake_caught_by_shutdown_is_503(tmp_path: Path) -> None:
@@ -25,12 +40,20 @@ def test_handshake_caught_by_shutdown_is_503(tmp_path: Path) -> None:
         with holder.client() as client:
             assert post(client, sid, grant, {"type": "get_state"}).status_code == 200
 
+        lock = SessionStore(shard).directory("acme", parse_session_id(sid)) / LOCK_FILE
+
         async def handshake() -> tuple[int, str | None, bytes]:
-            # The stopping replica waits up to 0.25 s for the holder's lock: stop it meanwhile.
+            # The stopping replica waits up to 0.25 s for the holder's lock (with the lock file
+            # open while it does): stop it meanwhile.
             url = stopping.url.replace("http", "ws") + f"/_beyond/agent?session_id={sid}"
             connect = websockets.connect(url, additional_headers={"x-beyond-grant": grant})
             attempt = asyncio.ensure_future(connect.__aenter__())
-            await asyncio.sleep(0.08)
+            await eventually_async(
+                lambda: holds_open(stopping.proc.proc.pid, lock),
+                timeout=10,
+                interval=0.005,
+                message="the stopping replica never waited for the session's lock",
+            )
             stopping.proc.signal(signal.SIGTERM)
             try:
                 await attempt

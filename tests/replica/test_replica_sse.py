@@ -44,8 +44,9 @@ def read_events(
     timeout: float = 15,
 ) -> tuple[list[dict[str, str]], list[str]]:
     """Read an SSE stream until an event whose data contains ``until``; returns events and raw
-    lines (comments included)."""
+    lines (comments included). ``TimeoutError`` when none comes in ``timeout`` seconds."""
     lines: list[str] = []
+    deadline = time.monotonic() + timeout
     with (
         httpx.Client(base_url=replica.url, timeout=timeout) as client,
         client.stream(
@@ -60,6 +61,8 @@ def read_events(
             lines.append(line)
             if line.startswith("data:") and until in line:
                 break
+            if time.monotonic() > deadline:  # keepalive comments would read on forever
+                raise TimeoutError(f"no {until} on the stream in {timeout} s: {lines[-3:]}")
     return sse_events([*lines, ""]), lines
 
 
@@ -99,7 +102,8 @@ def test_mid_turn_attach_replays_the_turn_from_its_start(fleet: Fleet, replica: 
     grant = fleet.grant("acme", sid, sandbox=False)
     with replica.client() as client:
         post(client, sid, grant, {"type": "prompt", "message": "replay me"})
-        time.sleep(0.4)  # some deltas are out before we attach
+    # Some deltas are out (another reader has one) before the reader under test attaches.
+    read_events(replica, sid, grant, until='"text_delta"')
     events, _ = read_events(replica, sid, grant, until='"turn_ended"')
     catchup = json.loads(events[0]["data"])
     replayed = [f["event"]["kind"] for f in catchup["turn"]]

@@ -10,7 +10,7 @@ import json
 import secrets
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from fleet_sim.local import Proc
-from tests.harness import Fleet, Replica, eventually, post
+from tests.harness import Fleet, Replica, eventually, eventually_async, post
 from tests.replica.support import (
     WsSession,
     events,
@@ -209,6 +209,35 @@ def test_background_job_outlives_its_session_and_is_read_elsewhere(fleet: Fleet)
 # -- refusing, aborting, budgets -----------------------------------------------------------------
 
 
+def watch_turn(
+    replica: Replica,
+    sid: str,
+    grant: str,
+    done: Callable[[list[dict[str, Any]]], bool],
+    wait_s: float = 10.0,
+) -> None:
+    """Read the session's event stream until ``done`` accepts the frames of the turn seen so
+    far (those its catch-up replays, then live ones); ``TimeoutError`` if not in ``wait_s``."""
+    frames: list[dict[str, Any]] = []
+    deadline = time.monotonic() + wait_s
+    with (
+        httpx.Client(base_url=replica.url, timeout=wait_s) as client,
+        client.stream(
+            "GET", f"/_beyond/agent/events?session_id={sid}", headers={"x-beyond-grant": grant}
+        ) as response,
+    ):
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                frame = json.loads(line[5:])
+                frames += frame["turn"] if frame["type"] == "catchup" else [frame]
+                if done(frames):
+                    return
+            if time.monotonic() > deadline:
+                break
+    raise TimeoutError(f"the turn did not get there in {wait_s} s: {frames[-3:]}")
+
+
 @pytest.fixture(scope="module")
 def slow_replica(fleet: Fleet) -> Replica:
     return fleet.replica(
@@ -231,7 +260,8 @@ def test_second_prompt_is_409_and_abort_over_post_commits_the_partial_reply(
         assert body["success"] is False and "already running" in body["error"]
         archive = post(client, sid, grant, {"type": "new_session"})
         assert archive.status_code == 200 and archive.json()["success"] is False
-        time.sleep(0.4)  # some of the reply is out
+        # The reply's first words are out (the aborted reply is checked for them).
+        watch_turn(slow_replica, sid, grant, lambda f: len(streamed_text(f).split()) >= 3)
         aborted = post(client, sid, grant, {"type": "abort", "id": "a1"})
         assert aborted.status_code == 200
         assert aborted.json()["data"] == {"aborted": True} and aborted.json()["id"] == "a1"
@@ -252,12 +282,15 @@ def test_second_prompt_is_409_and_abort_over_post_commits_the_partial_reply(
 def test_abort_does_not_wait_for_a_running_tool(fleet: Fleet, slow_replica: Replica) -> None:
     sid = new_sid()
     grant = fleet.grant("acme", sid)
+    started = fleet.root / "sandboxes" / sid.replace(".", "_") / "workspace" / "started"
 
     async def run() -> tuple[list[dict[str, Any]], float]:
         async with ws_session(slow_replica, sid, grant) as (ws, _):
-            await ws.send({"type": "prompt", "message": "wait\nrun: sleep 5"})
+            await ws.send({"type": "prompt", "message": "wait\nrun: touch started; sleep 5"})
             frames = await ws.until(lambda f: kind(f) == "tool_call")
-            await asyncio.sleep(0.3)  # the command is running in the sandbox
+            await eventually_async(
+                started.exists, timeout=10, message="the command never ran in the sandbox"
+            )
             aborted_at = await ws.send({"type": "abort"})
             frames += await ws.until(lambda f: kind(f) == "turn_ended")
             return frames, time.monotonic() - aborted_at
