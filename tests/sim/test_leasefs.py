@@ -108,8 +108,25 @@ def test_control_requests() -> None:
 
 def test_gate_revokes_once_per_partition_and_wakes_waiters() -> None:
     now = [0.0]
+    reads = [0]  # of the clock: after set_mode, only the lease watcher reads it
+
+    def clock() -> float:
+        reads[0] += 1
+        return now[0]
+
+    def watcher_looked_twice() -> None:
+        """Wait until the watcher has read the clock twice from now, so one whole look at the
+        time as it is now (and any revocation it led to) is over."""
+        seen = reads[0]
+        eventually(
+            lambda: reads[0] >= seen + 2,
+            timeout=5.0,
+            interval=0.01,
+            message="the lease watcher did not look at the clock",
+        )
+
     revoked: list[float] = []
-    gate = Gate(LEASE_S, lambda: revoked.append(now[0]), clock=lambda: now[0])
+    gate = Gate(LEASE_S, lambda: revoked.append(now[0]), clock=clock)
     try:
         gate.set_mode(Mode.PARTITION)
         outcome: list[str] = []
@@ -121,11 +138,17 @@ def test_gate_revokes_once_per_partition_and_wakes_waiters() -> None:
         waiter = threading.Thread(target=wait_for_gate)
         waiter.start()
         now[0] = 0.5
-        time.sleep(0.2)
+        eventually(
+            lambda: gate.snapshot().blocked == 1,
+            timeout=5.0,
+            interval=0.01,
+            message="the call never blocked at the gate",
+        )
+        watcher_looked_twice()
         assert revoked == [] and outcome == [] and gate.snapshot().blocked == 1
         now[0] = 1.5
         eventually(lambda: revoked == [1.5], timeout=5.0, interval=0.01)
-        time.sleep(0.2)
+        watcher_looked_twice()
         assert revoked == [1.5]
         gate.set_mode(Mode.OK)
         waiter.join(timeout=2)
@@ -385,7 +408,7 @@ def test_heal_inside_the_lease_keeps_locks_and_descriptors(
     try:
         _ofd(lock)
         a.control.partition()
-        time.sleep(LEASE_S / 4)
+        time.sleep(LEASE_S / 4)  # a partition that ends inside the lease: what is under test
         a.control.heal()
         assert _ofd_busy(other)
         _ofd(lock)

@@ -230,7 +230,10 @@ async def test_closing_the_notifier_cancels_pending_deliveries() -> None:
     async with receiving(receiver) as url:
         async with notifier() as running:
             record = send(running, url)
-            await asyncio.sleep(0.1)
+            # Refused once (503): the delivery now waits to try again.
+            await eventually_async(
+                lambda: record.attempts, timeout=5, message="the first attempt was never made"
+            )
         assert running.pending == 0
     assert record.state is DeliveryState.CANCELLED and record.finished_at is not None
 

@@ -243,7 +243,7 @@ async def test_a_stream_waits_a_bounded_time_for_the_edge_and_a_command_does_not
 
             async def edge_comes_back() -> None:
                 nonlocal edge_runner
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.5)  # an edge down for 0.5 s, which the stream waits out
                 edge_runner, _ = await serve(edge.app(), port)
 
             late = asyncio.ensure_future(edge_comes_back())
