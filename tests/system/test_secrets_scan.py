@@ -8,7 +8,6 @@ import asyncio
 import base64
 import json
 import secrets
-import time
 from pathlib import Path
 
 import httpx
@@ -79,7 +78,12 @@ def test_no_secret_or_plaintext_is_written_anywhere(tmp_path: Path) -> None:
     finally:
         journal.close()
         fleet.stop(drain_timeout_s=20)
-    time.sleep(0.2)
+    # Nothing writes once every process of the fleet has exited.
+    eventually(
+        lambda: all(proc.proc.poll() is not None for _, proc in fleet.processes().values()),
+        timeout=10,
+        message="a process of the fleet outlived its stop",
+    )
 
     secrets_anywhere = {
         "grant": grants[0].encode(),
