@@ -259,11 +259,13 @@ class ReplicaApp:
         except Refusal as refusal:
             await websocket.send_denial_response(self.refused(refusal))
             return
-        await websocket.accept(headers=[(_WS_SESSION_ID_HEADER, live.session_id.encode())])
+        # Attached in the same step as the catch-up is taken: a frame published while the
+        # handshake is written must reach this reader, after the catch-up and not in it.
         subscriber = live.attach("ws")
         subscriber.offer(Outgoing(protocol.dumps(catchup)))
         self.metrics.streams_open.labels("ws").inc()
         try:
+            await websocket.accept(headers=[(_WS_SESSION_ID_HEADER, live.session_id.encode())])
             await _first_done(
                 self._ws_reader(websocket, live, subscriber), self._ws_writer(websocket, subscriber)
             )
@@ -292,6 +294,8 @@ class ReplicaApp:
                     frames = [protocol.failure(command, "job_ended is sent by sandboxes")]
                 else:
                     frames = await handle(live, command, self.deps)
+                # An answer on the session's stream comes after the text streamed before it.
+                live.flush_text()
                 for frame in frames:
                     subscriber.offer(Outgoing(protocol.dumps(frame)))
         except WebSocketDisconnect:
