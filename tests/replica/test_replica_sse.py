@@ -179,6 +179,10 @@ def test_a_reader_that_falls_behind_is_told_to_reconnect(fleet: Fleet, tmp_path:
         {"a07-s1": tmp_path / "s1"},
         "--stream-queue-frames",
         "8",
+        # One frame per token, as this flood was sized for: coalesced, its text alone fits in
+        # the socket buffers and the reader never falls behind.
+        "--coalesce-ms",
+        "0",
         "--model",
         "stub:ttft=1ms,per_token=0ms,tokens=100000",
         "--turn-max-tokens",
