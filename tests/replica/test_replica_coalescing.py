@@ -32,7 +32,9 @@ pytestmark = pytest.mark.slow
 FLEET_DIR = "coalescing"  # the conftest fleet's directory
 EVENTS = "/_beyond/agent/events"
 TOKENS = 300
-STREAM = f"stub:ttft=0ms,per_token=2ms,tokens={TOKENS}"  # many deltas, a few ms apart
+# Many deltas, a few ms apart: one per token (tick=0ms), so what is coalesced is the replica's
+# doing, not the stub's.
+STREAM = f"stub:ttft=0ms,per_token=2ms,tokens={TOKENS},tick=0ms"
 TURN_WAIT_S = 60.0  # a loaded machine stretches a streamed turn; the bound is for a hung one
 
 
@@ -249,7 +251,7 @@ def test_readers_attaching_mid_turn_get_the_coalesced_frames_then_the_rest(
 ) -> None:
     # A turn of about 4 s: long enough that two readers attach while it streams.
     replica = fleet.replica(
-        "mid", shard(fleet, "mid"), "--model", "stub:ttft=0ms,per_token=10ms,tokens=400"
+        "mid", shard(fleet, "mid"), "--model", "stub:ttft=0ms,per_token=10ms,tokens=400,tick=0ms"
     )
     sid = new_sid()
     grant = fleet.grant("acme", sid, sandbox=False)
