@@ -633,13 +633,21 @@ def derive(f: dict[str, Any]) -> None:
     )
 
 
+def target_row(
+    f: dict[str, Any], name: str, key: str, bound: float, at_most: bool
+) -> dict[str, Any]:
+    """One target with its measured value (figure ``key`` of ``f``) against ``bound``; ``met``
+    is None when the figure is missing."""
+    value = f.get(key)
+    met = None if value is None else (value <= bound if at_most else value >= bound)
+    return {"target": name, "figure": key, "bound": bound, "measured": value, "met": met}
+
+
 def targets(f: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target with its measured value; ``met`` is None when the figure is missing."""
+    """Each target with its measured value."""
 
     def row(name: str, key: str, bound: float, at_most: bool) -> dict[str, Any]:
-        value = f.get(key)
-        met = None if value is None else (value <= bound if at_most else value >= bound)
-        return {"target": name, "figure": key, "bound": bound, "measured": value, "met": met}
+        return target_row(f, name, key, bound, at_most)
 
     return [
         row("edge adds <= 0.15 ms at p50, 1 in flight", "post_c1_edge_added_p50_ms",

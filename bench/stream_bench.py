@@ -46,6 +46,7 @@ import httpx
 import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.edge_bench import target_row
 from bench.replica_bench import cpu_seconds, raise_fd_limit
 from fleet_sim.local import Fleet, Replica
 from fleet_sim.ports import free_port
@@ -371,9 +372,7 @@ def derive(f: dict[str, Any]) -> None:
 
 def targets(f: dict[str, Any]) -> list[dict[str, Any]]:
     def row(name: str, key: str, bound: float, at_most: bool) -> dict[str, Any]:
-        value = f.get(key)
-        met = None if value is None else (value <= bound if at_most else value >= bound)
-        return {"target": name, "figure": key, "value": value, "bound": bound, "met": met}
+        return target_row(f, name, key, bound, at_most)
 
     return [
         row(
@@ -428,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = run(args.quick)
     for row in figures["targets"]:
         verdict = {True: "met", False: "NOT met", None: "n/a"}[row["met"]]
-        print(f"{row['target']}: {row['value']} (bound {row['bound']}) {verdict}")
+        print(f"{row['target']}: {row['measured']} (bound {row['bound']}) {verdict}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
     return 0
