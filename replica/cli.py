@@ -24,6 +24,7 @@ from replica.coalescing import DEFAULT_MAX_CHARS, DEFAULT_WINDOW_MS
 from replica.errors import ConfigError, CorruptHistory, StorageUnavailable
 from replica.history import History, read_history
 from replica.keyfiles import read_key_file
+from replica.probes import DEADLINE_S as PROBE_DEADLINE_S
 from replica.sealing import RecordSealer
 from wire.errors import InvalidName
 from wire.names import parse_session_id, parse_tenant
@@ -106,6 +107,15 @@ def _add_serve(commands: Any) -> None:
         default=0.0,
         metavar="S",
         help="on SIGTERM, let running turns finish for up to S seconds (default 0)",
+    )
+    add(
+        "--storage-probe-deadline",
+        type=float,
+        default=PROBE_DEADLINE_S,
+        metavar="S",
+        help="how long a shard's storage may take to answer a probe before it counts as "
+        "hanging: /readyz answers 503 and the readers of its sessions are told to reconnect "
+        f"(default {PROBE_DEADLINE_S:g})",
     )
     add("--metrics-listen", metavar="127.0.0.1:PORT", help="loopback-only Prometheus listener")
     add(
@@ -193,6 +203,7 @@ def _serve(args: argparse.Namespace) -> int:
             stream_queue_frames=args.stream_queue_frames,
             coalesce_ms=args.coalesce_ms,
             coalesce_max_chars=args.coalesce_max_chars,
+            probe_deadline=args.storage_probe_deadline,
         )
     except (ConfigError, InvalidName) as exc:
         print(f"fleet-replica: {exc}", file=sys.stderr)

@@ -29,6 +29,8 @@ from replica.errors import ConfigError
 from replica.keyfiles import parse_grant_key_arg, read_key_file, read_seal_key
 from replica.metrics import require_loopback
 from replica.model import ModelSpec, parse_model_spec
+from replica.probes import DEADLINE_S as PROBE_DEADLINE_S
+from replica.probes import MAX_DEADLINE_S as MAX_PROBE_DEADLINE_S
 from wire.errors import InvalidName
 from wire.names import Shard, parse_replica_name, parse_shard
 
@@ -99,6 +101,7 @@ class ServeConfig:
     keepalive_s: float = 15.0
     stream_queue_frames: int = 2048
     coalescing: Coalescing = field(default_factory=Coalescing)
+    probe_deadline_s: float = PROBE_DEADLINE_S
     audience: str = "beyond-fleet"
     issuer: str = "beyond-control-plane"
 
@@ -143,6 +146,7 @@ def build_config(
     stream_queue_frames: int = 2048,
     coalesce_ms: float = DEFAULT_WINDOW_MS,
     coalesce_max_chars: int = DEFAULT_MAX_CHARS,
+    probe_deadline: float = PROBE_DEADLINE_S,
 ) -> ServeConfig:
     if not service:
         raise ConfigError("serve needs --service: the replica runs only as a fleet member")
@@ -175,6 +179,11 @@ def build_config(
     if drain_grace < 0:
         raise ConfigError("--drain-grace must not be negative")
     coalescing = parse_coalescing(coalesce_ms, coalesce_max_chars)
+    if not math.isfinite(probe_deadline) or not 0 < probe_deadline <= MAX_PROBE_DEADLINE_S:
+        raise ConfigError(
+            f"--storage-probe-deadline must be a number of seconds above 0 and at most "
+            f"{MAX_PROBE_DEADLINE_S:g}, got {probe_deadline}"
+        )
     metrics = None
     if metrics_listen is not None:
         metrics = parse_hostport(metrics_listen, "--metrics-listen")
@@ -205,4 +214,5 @@ def build_config(
         keepalive_s=keepalive_s,
         stream_queue_frames=stream_queue_frames,
         coalescing=coalescing,
+        probe_deadline_s=probe_deadline,
     )

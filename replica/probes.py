@@ -28,6 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROBE_DIR = ".beyond-probe"
+# How long a probe may take before its shard counts as hanging (--storage-probe-deadline), and
+# the most that may be set: past it a dead mount would go unnoticed for too long to matter.
+DEADLINE_S = 1.0
+MAX_DEADLINE_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +86,7 @@ class ShardProbe:
         owner: str,
         *,
         cache_s: float = 2.0,
-        deadline_s: float = 1.0,
+        deadline_s: float = DEADLINE_S,
         probe: Callable[[Path, str], None] = write_probe,
         observe: Callable[[float], None] = lambda seconds: None,
     ) -> None:

@@ -157,7 +157,13 @@ class ReplicaService:
         )
         self.deps = CommandDeps(self.registry, turn, self.metrics, self.lifecycle.emit)
         probes = [
-            ShardProbe(str(shard), path, config.name, observe=self.metrics.ready_probe.observe)
+            ShardProbe(
+                str(shard),
+                path,
+                config.name,
+                deadline_s=config.probe_deadline_s,
+                observe=self.metrics.ready_probe.observe,
+            )
             for shard, path in config.shards.items()
         ]
         self.readiness = Readiness(probes, lambda: self.registry.draining)

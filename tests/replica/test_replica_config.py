@@ -188,6 +188,13 @@ def test_coalescing_flags(flags: dict[str, Any]) -> None:
     assert build_config(**{**flags, "coalesce_max_chars": 1}).coalescing.max_chars == 1
 
 
+def test_storage_probe_deadline_flag(flags: dict[str, Any]) -> None:
+    assert build_config(**flags).probe_deadline_s == 1.0
+    assert build_config(**{**flags, "probe_deadline": 30.0}).probe_deadline_s == 30.0
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 600.5):
+        refused(flags, "--storage-probe-deadline must be", probe_deadline=bad)
+
+
 def test_parse_hostport() -> None:
     assert parse_hostport("[::1]:80", "--listen") == ("::1", 80)
     assert parse_hostport("0.0.0.0:0", "--listen") == ("0.0.0.0", 0)

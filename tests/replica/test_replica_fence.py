@@ -141,6 +141,11 @@ def test_owner_fenced_mid_turn_still_reports_the_run_ended(tmp_path: Path) -> No
                 stub,
                 "--lifecycle-url",
                 receiver.url,
+                # Past its probe's deadline a partitioned replica tells its readers to
+                # reconnect (1013), which would race the fence this test is about: its own
+                # probes must not call the mount hanging while the reply streams on.
+                "--storage-probe-deadline",
+                "120",
             )
             b = fleet.replica("fb", {"a07-s1": Path(host_b.mountpoint)})
             grant = fleet.grant("acme", sid, sandbox=False)
