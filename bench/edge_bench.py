@@ -509,6 +509,10 @@ def _stream_replica(fleet: Fleet, root: Path, tokens: int) -> Replica:
         str(tokens * 2),
         "--session-idle-timeout",
         "600",
+        # One frame per delta: these workloads measure the relay's cost per frame, and a
+        # coalescing window would send a turn of instant deltas in a handful of frames.
+        "--coalesce-ms",
+        "0",
     )
 
 
