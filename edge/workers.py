@@ -58,6 +58,9 @@ MAX_BACKOFF_S: Final = 4.0
 HEALTHY_AFTER_S: Final = 60.0  # a worker up this long starts its backoff afresh
 SCRAPE_TIMEOUT_S: Final = 5.0
 ORPHAN_POLL_S: Final = 0.5
+# How long past its drain grace a worker may take to stop (its cancelled requests get 10 s).
+STOP_SLACK_S: Final = 15.0
+DRAIN_GRACE_FALLBACK_S: Final = 30.0  # the file no longer loads: the default grace
 
 
 class WorkerError(EdgeError):
@@ -266,8 +269,19 @@ class Workers:
         for worker in alive:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker.process.pid or 0, signal.SIGTERM)
+        # A worker drains within its grace, then cancels what is left and waits a bounded
+        # time for it: past all that (a stopped worker, say) it is killed.
+        try:
+            grace = load_config(self.config_path).options.drain_grace_s
+        except ConfigError:
+            grace = DRAIN_GRACE_FALLBACK_S
+        deadline = time.monotonic() + grace + STOP_SLACK_S
         for worker in alive:
-            await asyncio.to_thread(worker.process.join)
+            await asyncio.to_thread(worker.process.join, max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                log.error("worker %d did not stop in time; killing it", worker.index)
+                worker.process.kill()
+                await asyncio.to_thread(worker.process.join, 10)
         loop = asyncio.get_running_loop()
         for worker in self._workers.values():
             with contextlib.suppress(ValueError, OSError):

@@ -44,10 +44,11 @@ def alive(pid: int) -> bool:
         return False
 
 
-def write_config(path: Path, replicas: list[FakeReplica]) -> None:
+def write_config(path: Path, replicas: list[FakeReplica], grace_s: float = 30.0) -> None:
     entries = ", ".join(f'{{ name = "{r.name}", url = "{r.url}" }}' for r in replicas)
     path.write_text(
-        f'[edge]\nretry_budget_s = 2\n\n[[slice]]\nname = "a07"\nreplicas = [{entries}]\n'
+        f"[edge]\nretry_budget_s = 2\ndrain_grace_s = {grace_s}\n\n"
+        f'[[slice]]\nname = "a07"\nreplicas = [{entries}]\n'
     )
 
 
@@ -290,3 +291,16 @@ async def test_workers_go_when_their_parent_is_killed(tmp_path: Path) -> None:
                 return not any(alive(pid) for pid in pids)
 
             await eventually_async(gone, 30, 0.1, message="the orphaned workers exited")
+
+
+@pytest.mark.anyio
+async def test_a_worker_that_does_not_stop_is_killed_after_its_grace(tmp_path: Path) -> None:
+    async with replicas("r1") as started:
+        write_config(tmp_path / "edge.toml", started, grace_s=0.5)
+        async with workers(tmp_path) as edge:
+            stuck, other = edge.workers()
+            os.kill(stuck, signal.SIGSTOP)  # a stopped worker drains nothing
+            edge.proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(edge.proc.wait(), 60) == 0
+    assert not alive(stuck) and not alive(other)
+    assert edge.log.read_text().count("did not stop in time; killing it") == 1
