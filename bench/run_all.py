@@ -49,6 +49,7 @@ BENCHES: Final = (
     Bench("replica", "bench.replica_bench", ("--quick",), (), 120, 1800),
     Bench("edge", "bench.edge_bench", ("--quick",), (), 150, 1800),
     Bench("ring_lookup", "bench.ring_lookup", ("--ids", "20000"), (), 60, 600),
+    Bench("stream", "bench.stream_bench", ("--quick",), (), 240, 1200),
     # Quick: one kill on a local directory; full: kill, partition and freeze, three runs each,
     # on every substrate (about a quarter of an hour).
     Bench(

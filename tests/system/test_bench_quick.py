@@ -69,6 +69,27 @@ EDGE = (
     "post_c8_varied_over_post_c8_edge_cpu",
 )
 RING = ("hash_ns_per_lookup", "owner_ns_per_lookup", "walk_ns_per_lookup")
+STREAM = (
+    *(
+        f"{model}-{window}_{figure}"
+        for model in ("stub", "openai")
+        for window in ("frame_per_token", "coalesced")
+        for figure in ("replica_sessions_per_core", "replica_us_per_token", "frames_per_turn")
+    ),
+    *(
+        f"{window}_delay_{q}_ms"
+        for window in ("frame_per_token", "coalesced")
+        for q in ("p50", "p99")
+    ),
+    "coalescing_adds_p50_ms",
+    "coalescing_adds_p99_ms",
+    *(
+        f"edge_{n}w_{figure}"
+        for n in (1, 2)
+        for figure in ("edge_us_per_token", "edge_us_per_frame", "replica_us_per_token")
+    ),
+    "edge_1w_edge_over_replica_cpu_per_token",
+)
 
 
 def _is_number(value: Any) -> bool:
@@ -94,12 +115,18 @@ def test_quick_run_produces_every_figure(tmp_path: Path) -> None:
     assert results["machine"]["python"] == sys.version.split()[0]
     assert results["machine"]["kernel"]
     benches = results["benches"]
-    assert set(benches) == {"store", "replica", "edge", "ring_lookup", "takeover"}
+    assert set(benches) == {"store", "replica", "edge", "ring_lookup", "stream", "takeover"}
     assert benches["takeover"]["status"] == "ok", benches["takeover"]
     (kill,) = benches["takeover"]["figures"]["takeover"]
     assert (kill["substrate"], kill["fault"], kill["passed"]) == ("local-dir", "kill", 1)
     assert _is_number(kill["median_s"]) and _is_number(kill["max_s"])
-    expected = {"store": STORE, "replica": REPLICA, "edge": EDGE, "ring_lookup": RING}
+    expected = {
+        "store": STORE,
+        "replica": REPLICA,
+        "edge": EDGE,
+        "ring_lookup": RING,
+        "stream": STREAM,
+    }
     for name, keys in expected.items():
         assert benches[name]["status"] == "ok", benches[name]
         figures = benches[name]["figures"]
@@ -118,6 +145,9 @@ def test_quick_run_produces_every_figure(tmp_path: Path) -> None:
         "edge_cpu_per_request_over_replica_cpu_per_turn",
     ]
     assert all(_is_number(row["measured"]) for row in edge["targets"])
+    stream = benches["stream"]["figures"]
+    assert set(stream["edge_2w_connections_per_worker"]) == {"0", "1"}
+    assert all(_is_number(row["measured"]) for row in stream["targets"])
     readable = out.with_suffix(".md").read_text()
     assert readable == markdown(results)
     assert "| `post_c8_edge_over_nginx_rps` |" in readable
