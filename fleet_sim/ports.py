@@ -23,6 +23,8 @@ ATTEMPTS = 200
 
 _given: set[tuple[str, int]] = set()
 _lock = threading.Lock()
+# This process's share of the range (see confine): the whole of it unless told otherwise.
+_share = (0, 1)
 
 
 def ephemeral_range(path: Path | None = None) -> tuple[int, int]:
@@ -58,11 +60,27 @@ def free_port(host: str = "127.0.0.1") -> int:
     low, _high = ephemeral_range()
     if low - LOWEST < 1_000:
         return _kernel_port(host)
+    index, shares = _share
+    width = (low - LOWEST) // shares
+    start = LOWEST + index * width
     with _lock:
         for _ in range(ATTEMPTS):
-            port = random.randrange(LOWEST, low)
+            port = random.randrange(start, start + width)
             if (host, port) in _given or not _bindable(host, port):
                 continue
             _given.add((host, port))
             return port
     return _kernel_port(host)
+
+
+def confine(index: int, shares: int) -> None:
+    """Hand out ports from share ``index`` of ``shares`` equal parts of the range only.
+
+    Processes that each start fleets at the same time (``fleet-sim matrix --jobs``) remember
+    only their own ports; a port one of them chose, but whose process has not bound it yet (or
+    has just restarted), is free to the others' probe. Disjoint shares keep them apart.
+    """
+    global _share
+    if not 0 <= index < shares:
+        raise ValueError(f"share {index} of {shares}")
+    _share = (index, shares)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import multiprocessing.queues
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import fleet_sim.sim.scenarios_callbacks  # registers the callback (E1-E7) scena
 import fleet_sim.sim.scenarios_jobs  # registers the job-end scenarios
 import fleet_sim.sim.scenarios_storage  # noqa: F401 - frozen hosts, metadata, stale clients
 from fleet_sim.control_plane import GRANT_TTL_S, grant_ttl_arg
+from fleet_sim.ports import confine
 from fleet_sim.sim import scenarios_core  # noqa: F401 - registers the catalogue
 from fleet_sim.sim.fleets import AttachedError, AttachedFleet
 from fleet_sim.sim.scenario import (
@@ -300,7 +302,12 @@ def _side_by_side(
     scenarios running, which tear their fleets down as a lone one does."""
     context = multiprocessing.get_context("spawn")
     done: dict[str, dict[str, Any]] = {}
-    with ProcessPoolExecutor(args.jobs, mp_context=context, initializer=_stop_on_sigterm) as pool:
+    shares = context.Queue()
+    for index in range(args.jobs):
+        shares.put(index)
+    with ProcessPoolExecutor(
+        args.jobs, mp_context=context, initializer=_worker_setup, initargs=(shares, args.jobs)
+    ) as pool:
         futures = {
             pool.submit(_run_named, name, args.substrate, run_dir, args.quick, args.seed): name
             for name in names
@@ -319,6 +326,13 @@ def _side_by_side(
                 child.terminate()  # SIGTERM: the scenario's teardown runs
             raise
     return [done[name] for name in names]
+
+
+def _worker_setup(shares: multiprocessing.queues.Queue[int], jobs: int) -> None:
+    """A matrix worker: stopped by SIGTERM as a lone run is, and choosing its fleets' ports
+    from a share of the range no other worker uses (each knows only the ports it chose)."""
+    _stop_on_sigterm()
+    confine(shares.get(timeout=30), jobs)
 
 
 def _run_named(name: str, substrate: str, run_dir: Path, quick: bool, seed: int) -> dict[str, Any]:

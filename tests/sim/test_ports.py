@@ -49,3 +49,16 @@ def test_no_room_below_the_range_falls_back_to_a_kernel_port(
     monkeypatch.setattr(ports, "ephemeral_range", lambda: (ports.LOWEST + 10, 60_999))
     port = ports.free_port()
     assert port >= ports.LOWEST + 10
+
+
+def test_a_confined_process_chooses_only_from_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ports, "_share", ports._share)  # restored after the test
+    low, _high = ports.ephemeral_range()
+    middle = ports.LOWEST + (low - ports.LOWEST) // 2
+    ports.confine(0, 2)
+    assert all(ports.LOWEST <= ports.free_port() < middle for _ in range(40))
+    ports.confine(1, 2)
+    assert all(middle <= ports.free_port() < low for _ in range(40))
+    for bad in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match="share"):
+            ports.confine(*bad)
