@@ -239,9 +239,10 @@ def capacity(fleet: Fleet, root: Path, sizes: Sizes) -> dict[str, Any]:
     for label, model in models.items():
         for window_name, window_ms in (("frame_per_token", 0.0), ("coalesced", DEFAULT_WINDOW_MS)):
             name = f"{label}-{window_name}"
+            spec = model
             if label == "stub" and window_ms == 0.0:
-                model = f"{STUB},tick=0ms"  # and a timer per token: the stub as it was
-            replica = _replica(fleet, root, name, model, window_ms)
+                spec = f"{STUB},tick=0ms"  # and a timer per token: the stub as it was
+            replica = _replica(fleet, root, name, spec, window_ms)
             pid = replica.proc.proc.pid
             grants = _grants(fleet, sizes.sessions)
             result = asyncio.run(

@@ -178,9 +178,6 @@ class Workers:
     def metrics_ports(self) -> dict[int, int]:
         return {i: w.metrics_port for i, w in self._workers.items() if w.process.is_alive()}
 
-    def pids(self) -> dict[int, int | None]:
-        return {i: w.process.pid for i, w in self._workers.items()}
-
     async def start(self) -> None:
         """Start every worker; raises :class:`WorkerError` (after stopping those started) if
         one does not come up."""
