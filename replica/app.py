@@ -46,6 +46,7 @@ from replica.grants import Grant, GrantVerifier, verify_grant
 from replica.live import LiveSession, Outgoing
 from replica.probes import Readiness
 from replica.transcript import UnknownMessage
+from replica.websocket_protocol import SEND_NOW
 from wire.auth import AuthClass, classify_authorization
 from wire.errors import InvalidName, WireError
 from wire.http import (
@@ -266,6 +267,8 @@ class ReplicaApp:
         self.metrics.streams_open.labels("ws").inc()
         try:
             await websocket.accept(headers=[(_WS_SESSION_ID_HEADER, live.session_id.encode())])
+            extensions = websocket.scope.get("extensions") or {}
+            subscriber.direct = extensions.get(SEND_NOW, {}).get("send")
             await _first_done(
                 self._ws_reader(websocket, live, subscriber), self._ws_writer(websocket, subscriber)
             )

@@ -153,9 +153,10 @@ def _add_serve(commands: Any) -> None:
         type=float,
         default=DEFAULT_WINDOW_MS,
         metavar="MS",
-        help="gather a turn's text deltas for up to MS milliseconds and send them as one frame; "
-        "any other frame sends what is gathered first; 0 sends every delta as its own frame "
-        f"(default {DEFAULT_WINDOW_MS:g})",
+        help="send a session's streamed text at most once every MS milliseconds: a delta that "
+        "comes MS or more after the last text frame goes out at once, sooner ones are gathered "
+        "into one frame sent when the MS since that frame are up; any other frame sends what "
+        f"is gathered first; 0 sends every delta as its own frame (default {DEFAULT_WINDOW_MS:g})",
     )
     add(
         "--coalesce-max-chars",

@@ -49,14 +49,18 @@ def _merge(queued: Outgoing, item: Outgoing) -> Outgoing | None:
     text = queued.delta[1] + item.delta[1]
     if len(text) > MERGED_DELTA_CHARS:
         return None
-    frame = protocol.event("text_delta", run_id=item.delta[0], text=text)
-    return Outgoing(protocol.dumps(frame), None, (item.delta[0], text))
+    return Outgoing(protocol.text_delta_json(item.delta[0], text), None, (item.delta[0], text))
 
 
 class Subscriber:
-    """One reader's bounded queue. Overflow marks it lagged: it gets ``reconnect`` and is closed."""
+    """One reader's bounded queue. Overflow marks it lagged: it gets ``reconnect`` and is closed.
 
-    __slots__ = ("_event", "_limit", "closed", "kind", "lagged", "parked", "queue")
+    A reader whose connection can take a frame at once (``direct``: a WebSocket's send_now)
+    gets it written as it is offered, while its writer waits in ``next()`` with nothing
+    queued: so nothing sent earlier is still on its way, and the order holds. Anything else
+    (a frame the socket cannot take now, or one offered while the writer is busy) is queued."""
+
+    __slots__ = ("_event", "_limit", "closed", "direct", "kind", "lagged", "parked", "queue")
 
     def __init__(self, kind: str, limit: int = SUBSCRIBER_QUEUE_FRAMES) -> None:
         self.kind = kind
@@ -66,9 +70,12 @@ class Subscriber:
         self.lagged = False
         self.closed = False
         self.parked = False  # a reader waits in next() for a frame or the end
+        self.direct: Callable[[str], bool] | None = None
 
     def offer(self, item: Outgoing) -> None:
         if self.closed or self.lagged:
+            return
+        if self.parked and not self.queue and self.direct is not None and self.direct(item.text):
             return
         merged = _merge(self.queue[-1], item) if self.queue else None
         if merged is not None:
@@ -175,9 +182,10 @@ class LiveSession:
         self._queue_frames = queue_frames
         self._on_superseded = on_superseded
         self._coalescing = coalescing
-        self._coalescer = Coalescer(coalescing.max_chars)
-        # Armed by the first delta of a window, cancelled by any flush: one timer per window,
-        # never one per token. Armed exactly while text is gathered.
+        self._coalescer = Coalescer(coalescing.max_chars, coalescing.window_s)
+        # Armed while text is gathered, for the end of the window since the last text frame;
+        # cancelled by any flush: at most one timer per window, never one per token, and none
+        # at all for a model whose deltas come no more often than a window.
         self._flush_timer: asyncio.TimerHandle | None = None
         self._on_text_frame = on_text_frame
 
@@ -228,23 +236,26 @@ class LiveSession:
         self._send(frame)
 
     def publish_delta(self, run_id: str, text: str) -> None:
-        """A model's text delta: gathered while the session's window is open, sent at once
-        when coalescing is off."""
+        """A model's text delta: sent at once when coalescing is off or the session's window
+        has closed since its last text frame, else gathered until it does."""
         if not self._coalescing.enabled:
             self._send_text(Gathered(run_id, text, 1))
             return
-        for due in self._coalescer.append(run_id, text):
-            self._send_text(due)
-        if not self._coalescer.pending:
-            self._cancel_timer()
-        elif self._flush_timer is None:
+        now = time.monotonic()
+        due = self._coalescer.append(run_id, text, now)
+        if due:
+            self._cancel_timer()  # the window now runs from this frame
+            for gathered in due:
+                self._send_text(gathered)
+        due_at = self._coalescer.due_at
+        if due_at is not None and self._flush_timer is None:
             loop = asyncio.get_running_loop()
-            self._flush_timer = loop.call_later(self._coalescing.window_s, self.flush_text)
+            self._flush_timer = loop.call_later(max(0.0, due_at - now), self.flush_text)
 
     def flush_text(self) -> None:
         """Send the gathered text now: its window closed, or another frame must follow it."""
         self._cancel_timer()
-        gathered = self._coalescer.flush()
+        gathered = self._coalescer.flush(time.monotonic())
         if gathered is not None:
             self._send_text(gathered)
 
@@ -255,15 +266,25 @@ class LiveSession:
 
     def _send_text(self, gathered: Gathered) -> None:
         self._on_text_frame(gathered.deltas)
-        self._send(protocol.event("text_delta", run_id=gathered.run_id, text=gathered.text))
+        run_id, text = gathered.run_id, gathered.text
+        frame = protocol.event("text_delta", run_id=run_id, text=text)
+        self._fan_out(frame, protocol.text_delta_json(run_id, text), None, (run_id, text))
 
     def _send(self, frame: dict[str, Any]) -> None:
-        text = protocol.dumps(frame)
         event_id = frame["leaf_id"] if frame["type"] == "committed" else None
+        self._fan_out(frame, protocol.dumps(frame), event_id, None)
+
+    def _fan_out(
+        self,
+        frame: dict[str, Any],
+        text: str,
+        event_id: str | None,
+        delta: tuple[str, str] | None,
+    ) -> None:
+        """Record the frame for replay (unless it is ``committed``, which ends nothing a late
+        reader must see again) and offer it, serialised once, to every reader."""
         if self.turn is not None and frame["type"] != "committed":
             self.turn.record(frame, text)
-        body = frame.get("event")
-        delta = (body["run_id"], body["text"]) if body and body["kind"] == "text_delta" else None
         item = Outgoing(text, event_id, delta)
         for subscriber in self.subscribers:
             subscriber.offer(item)

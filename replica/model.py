@@ -125,16 +125,14 @@ class _ScriptedModel:
             # one timer per tick rather than one per token.
             await asyncio.sleep(max(0.0, max(due, woke + tick) - loop.time()))
             woke = loop.time()
-            text = []
-            while True:
-                unit = units[i]
-                i += 1
-                if isinstance(unit, model_script.TextPiece):
-                    text.append(unit.text)
-                if not tick or i == len(units):
-                    break
-                if start + model_script.unit_offset(i, ttft, per_token) > woke:
-                    break
+            # Unit i is due now; with a tick, so is every unit up to the last due by ``woke``.
+            end = i + 1
+            if tick:
+                end = max(
+                    end, min(len(units), model_script.units_due(woke - start, ttft, per_token))
+                )
+            text = [u.text for u in units[i:end] if isinstance(u, model_script.TextPiece)]
+            i = end
             if text:
                 yield TextDelta("".join(text))
         if cut is not None:

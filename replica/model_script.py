@@ -150,6 +150,20 @@ def unit_offset(index: int, ttft_s: float, per_token_s: float) -> float:
     return ttft_s + index * per_token_s
 
 
+def units_due(elapsed_s: float, ttft_s: float, per_token_s: float) -> int:
+    """How many units are due ``elapsed_s`` after the request (the inverse of
+    ``unit_offset``); ``per_token_s`` must be above zero."""
+    if elapsed_s < ttft_s:
+        return 0
+    count = int((elapsed_s - ttft_s) / per_token_s) + 1
+    # Float division can land a hair either side of a whole number: settle it by the offsets.
+    while count > 0 and unit_offset(count - 1, ttft_s, per_token_s) > elapsed_s:
+        count -= 1
+    while unit_offset(count, ttft_s, per_token_s) <= elapsed_s:
+        count += 1
+    return count
+
+
 def plan_reply(
     messages: Sequence[ScriptMessage],
     tool_names: Collection[str],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring as _encode_string  # C, where built
 from typing import Any
 
 from replica.errors import BadRequest
@@ -166,6 +167,21 @@ def error(message: str) -> dict[str, Any]:
 # lines (sse-starlette does) would cut a frame at them. Inside a JSON string, which is the only
 # place a non-ASCII character can stand, the escape is the same value.
 _LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def text_delta_json(run_id: str, text: str) -> str:
+    """``dumps(event("text_delta", run_id=run_id, text=text))`` without building and walking a
+    dict: the frame a stream sends most, so it is put together from its two encoded strings."""
+    out = (
+        '{"type":"event","event":{"kind":"text_delta","run_id":'
+        + _encode_string(run_id)
+        + ',"text":'
+        + _encode_string(text)
+        + "}}"
+    )
+    if out.isascii():
+        return out
+    return dumps(event("text_delta", run_id=run_id, text=text))
 
 
 def dumps(frame: Mapping[str, Any]) -> str:

@@ -26,7 +26,6 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
-from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from replica.agent import TurnDeps
 from replica.app import ReplicaApp
@@ -47,11 +46,9 @@ from replica.registry import Registry
 from replica.sandbox_client import SandboxClient, new_http_client
 from replica.store import SessionStore, StoreConfig
 from replica.tools import NotifyTarget
+from replica.websocket_protocol import ReplicaWebSockets
 from wire.http import (
     AGENT_PATH,
-    RETRY_AFTER_HEADER,
-    RETRY_AFTER_S,
-    RETRY_LATER,
     SESSION_ID_PARAM,
     TENANT_PARAM,
 )
@@ -73,38 +70,6 @@ class Phase(enum.Enum):
 class Bound:
     url: str
     metrics_url: str | None
-
-
-class _WebSockets(WebSocketsSansIOProtocol):
-    """uvicorn's sans-I/O WebSocket protocol, mended twice: it logs "ASGI callable returned
-    without completing handshake" (and tries a 500) after every denial, although the denial went
-    out complete, so a denial marks the handshake finished; and a handshake caught by shutdown
-    gets 503 + Retry-After (the edge walks on) instead of 500."""
-
-    async def send(self, message: Any) -> None:
-        await super().send(message)
-        if message["type"] == "websocket.http.response.body" and not message.get("more_body"):
-            self.handshake_complete = True
-
-    _shutting_down = False
-
-    def shutdown(self) -> None:
-        self._shutting_down = True
-        super().shutdown()
-
-    def send_500_response(self) -> None:
-        # uvicorn answers 500 to a handshake still in progress when the server shuts down (the
-        # last stage of a drain): that is "retry elsewhere", not a server error. The edge
-        # retries a 503 and walks on; a 500 would reach the client. Other 500s stay 500s.
-        if not self._shutting_down:
-            super().send_500_response()
-            return
-        if self.initial_response or self.handshake_complete or self.transport.is_closing():
-            return
-        response = self.conn.reject(RETRY_LATER, "this replica is shutting down; retry\n")
-        response.headers[RETRY_AFTER_HEADER] = str(RETRY_AFTER_S)
-        self.conn.send_response(response)
-        self.transport.write(b"".join(self.conn.data_to_send()))
 
 
 class _Server(uvicorn.Server):
@@ -277,7 +242,7 @@ class ReplicaService:
                 log_level="warning",
                 access_log=False,
                 http=CorkedHttp,  # a small answer leaves in one write, not head then body
-                ws=_WebSockets,
+                ws=ReplicaWebSockets,
                 ws_max_size=WS_MAX_BYTES,
                 # Frames are small JSON on loopback or a LAN: compressing each costs more CPU
                 # than it saves bytes.

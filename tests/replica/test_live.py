@@ -113,6 +113,35 @@ async def test_subscriber_waits_for_frames_and_drains_before_closing() -> None:
     assert await pending is None
 
 
+async def test_a_waiting_writer_s_frames_are_written_at_once_and_the_rest_queued() -> None:
+    written: list[str] = []
+    socket_open = True
+
+    def send_now(text: str) -> bool:
+        if socket_open:
+            written.append(text)
+        return socket_open
+
+    sub = Subscriber("ws")
+    sub.direct = send_now
+    sub.offer(Outgoing("catchup"))  # no writer waiting yet: queued
+    assert written == [] and len(sub.queue) == 1
+    assert await next_within(sub) == Outgoing("catchup")
+    waiter = asyncio.create_task(next_within(sub))
+    await eventually_async(lambda: sub.parked, timeout=1.0, message="the reader never waited")
+    sub.offer(Outgoing("a"))
+    sub.offer(Outgoing("b"))
+    # Straight to the socket while the writer waits with nothing queued; it keeps waiting.
+    assert written == ["a", "b"] and not sub.queue and not waiter.done()
+    socket_open = False  # the socket cannot take a frame now (flow control, closing)
+    sub.offer(Outgoing("c"))
+    sub.offer(Outgoing("d"))  # behind a queued frame: queued too, in order
+    assert await waiter == Outgoing("c") and await next_within(sub) == Outgoing("d")
+    socket_open = True
+    sub.offer(Outgoing("e"))  # the writer is not waiting in next(): queued, never overtaking
+    assert written == ["a", "b"] and [i.text for i in sub.queue] == ["e"]
+
+
 def test_turn_buffer_stops_at_the_cap() -> None:
     buffer = TurnBuffer("r1")
     chunk = "x" * (1024 * 1024)
@@ -247,11 +276,20 @@ async def test_attachment_and_reapability(live: LiveSession) -> None:
 LONG_WINDOW = Coalescing(window_s=60.0)
 
 
+def opened(live: LiveSession, counted: list[int]) -> LiveSession:
+    """The session with its window just opened: a first delta (which goes out at once, to no
+    reader yet) was sent, so the next ones are gathered."""
+    live.publish_delta("r0", "opening ")
+    assert counted == [1] and live._flush_timer is None
+    counted.clear()
+    return live
+
+
 @pytest.fixture
 def held(tmp_path: Path) -> Iterator[tuple[LiveSession, list[int]]]:
     counted: list[int] = []
     session = make_live(SessionStore(tmp_path), coalescing=LONG_WINDOW, text_frames=counted)
-    yield session, counted
+    yield opened(session, counted), counted
     session.owned.release()
 
 
@@ -281,16 +319,21 @@ async def test_a_window_of_deltas_is_one_frame_on_one_timer(
         monkeypatch.setattr(loop, "call_later", counting)
         reader = live.attach("ws")
         live.turn = TurnBuffer("r1")
+        # The first delta of a reply goes out at once, on no timer.
+        live.publish_delta("r1", "zero ")
+        assert drain(reader) == [delta("zero ")] and counted == [1] and armed == []
         for piece in ("one ", "two ", "three"):
             live.publish_delta("r1", piece)
-        assert not reader.queue and armed == [0.01]  # gathered, on the first delta's timer
+        # Gathered, on one timer for the end of the window the first frame opened.
+        assert not reader.queue and len(armed) == 1 and 0 <= armed[0] <= 0.01
         await eventually_async(lambda: reader.queue, timeout=5.0, interval=0.005)
-        assert drain(reader) == [delta("one two three")] and counted == [3]
-        assert live.turn.frames == [delta("one two three")]  # the replay holds what was sent
-        live.publish_delta("r1", "four")  # the next window arms the next timer
-        assert armed == [0.01, 0.01]
+        assert drain(reader) == [delta("one two three")] and counted == [1, 3]
+        # The replay holds what was sent.
+        assert live.turn.frames == [delta("zero "), delta("one two three")]
+        live.publish_delta("r1", "four")  # within the next window: the next timer
+        assert len(armed) == 2
         await eventually_async(lambda: reader.queue, timeout=5.0, interval=0.005)
-        assert drain(reader) == [delta("four")] and counted == [3, 1]
+        assert drain(reader) == [delta("four")] and counted == [1, 3, 1]
     finally:
         live.owned.release()
 
@@ -323,6 +366,7 @@ async def test_the_size_bound_sends_before_the_window_closes(tmp_path: Path) -> 
     counted: list[int] = []
     bounded = Coalescing(window_s=60.0, max_chars=8)
     live = make_live(SessionStore(tmp_path), coalescing=bounded, text_frames=counted)
+    opened(live, counted)
     try:
         reader = live.attach("ws")
         live.publish_delta("r1", "abcd")
@@ -384,7 +428,8 @@ async def test_closing_the_readers_sends_the_gathered_text_first(
 
 async def test_superseded_comes_after_the_gathered_text(tmp_path: Path) -> None:
     store = SessionStore(tmp_path, locker=NoLocking())
-    live = make_live(store, coalescing=LONG_WINDOW)
+    counted: list[int] = []
+    live = opened(make_live(store, coalescing=LONG_WINDOW, text_frames=counted), counted)
     try:
         reader = live.attach("ws")
         live.publish_delta("r1", "half a")

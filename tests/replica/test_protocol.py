@@ -190,3 +190,12 @@ def test_structured_commands_raise_only_bad_request(kind: object, fields: dict[s
     assert 1 <= command.limit <= LIST_CAP and len(command.query) <= MAX_QUERY_CHARS
     if command.type == "prompt":
         assert command.message.strip() and len(command.message) <= MAX_PROMPT_CHARS
+
+
+@given(run_id=st.text(max_size=12), text=st.text(max_size=60))
+@settings(max_examples=400)
+def test_a_text_delta_is_encoded_as_the_general_encoder_does(run_id: str, text: str) -> None:
+    # Any text: ASCII, other scripts, controls, the line breaks SSE would cut at, lone surrogates.
+    frame = protocol.event("text_delta", run_id=run_id, text=text)
+    assert protocol.text_delta_json(run_id, text) == protocol.dumps(frame)
+    assert json.loads(protocol.text_delta_json(run_id, text)) == frame

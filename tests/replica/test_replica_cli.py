@@ -111,7 +111,7 @@ def test_help_and_a_bad_flag(tmp_path: Path) -> None:
 
 def test_coalescing_flags_are_explained_and_checked(tmp_path: Path) -> None:
     flat = " ".join(fleet_replica(tmp_path, "serve", "--help").stdout.split())
-    assert "--coalesce-ms MS gather a turn's text deltas for up to MS milliseconds" in flat
+    assert "--coalesce-ms MS send a session's streamed text at most once every MS" in flat
     assert "0 sends every delta as its own frame (default 25)" in flat
     assert "--coalesce-max-chars N send the gathered text at once" in flat
     shard = tmp_path / "shard"
