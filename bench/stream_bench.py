@@ -47,7 +47,7 @@ import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.edge_bench import target_row
-from bench.replica_bench import cpu_seconds, raise_fd_limit
+from bench.replica_bench import cpu_split, raise_fd_limit
 from fleet_sim.local import Fleet, Replica
 from fleet_sim.ports import free_port
 
@@ -62,6 +62,9 @@ TARGET_OPENAI_SESSIONS_PER_CORE: Final = 500
 TARGET_ADDED_P99_MS: Final = 50.0
 TARGET_EDGE_OVER_REPLICA: Final = 0.2
 SHARD: Final = "a07-s1"
+# A meter of the kernel's part of a process's CPU (its own writes and fsyncs, and on loopback
+# the receiving side's TCP processing too, which a real network moves to the client's host).
+KERNEL_SUFFIX: Final = "_kernel"
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,17 +142,20 @@ def _grants(fleet: Fleet, count: int) -> list[tuple[str, str]]:
     return [(sid, fleet.grant("bench", sid, sandbox=False)) for sid in sids]
 
 
-def _cpu_meter(pid: int, *, children: bool = False) -> Callable[[], float]:
+def _cpu_meter(
+    pid: int, *, children: bool = False, kernel_only: bool = False
+) -> Callable[[], float]:
     """CPU seconds used so far by ``pid`` (and, with ``children``, by the processes it
-    started: an edge's workers)."""
+    started: an edge's workers); with ``kernel_only``, only the part spent in the kernel."""
 
     def used() -> float:
         total = 0.0
         for each in [pid, *_children(pid)] if children else [pid]:
             try:
-                total += cpu_seconds(each)
+                user, system = cpu_split(each)
             except OSError:
                 continue  # gone meanwhile
+            total += system if kernel_only else user + system
         return total
 
     return used
@@ -201,6 +207,9 @@ async def _streaming_run(
         "turns": turns,
     }
     for name, cpu_s in used.items():
+        if name.endswith(KERNEL_SUFFIX):  # a part of another meter: per token only
+            out[f"{name}_us_per_token"] = round(cpu_s / words * 1e6, 1) if words else None
+            continue
         cores = cpu_s / seconds
         out[f"{name}_cores"] = round(cores, 3)
         out[f"{name}_us_per_token"] = round(cpu_s / words * 1e6, 1) if words else None
@@ -251,7 +260,10 @@ def capacity(fleet: Fleet, root: Path, sizes: Sizes) -> dict[str, Any]:
                     grants,
                     sizes.seconds,
                     sizes.warmup_s,
-                    {"replica": _cpu_meter(pid)},
+                    {
+                        "replica": _cpu_meter(pid),
+                        "replica" + KERNEL_SUFFIX: _cpu_meter(pid, kernel_only=True),
+                    },
                 )
             )
             fleet.retire(replica.proc)
@@ -324,14 +336,19 @@ def through_the_edge(fleet: Fleet, root: Path, sizes: Sizes) -> dict[str, Any]:
         edge = fleet.edge(
             config, "--workers", str(workers), metrics=metrics, name=f"edge-w{workers}"
         )
-        edge_cpu = _cpu_meter(edge.proc.proc.pid, children=True)
+        edge_pid = edge.proc.proc.pid
+        edge_cpu = _cpu_meter(edge_pid, children=True)
         result = asyncio.run(
             _streaming_run(
                 edge.url,
                 _grants(fleet, sizes.sessions),
                 sizes.seconds,
                 sizes.warmup_s,
-                {"edge": edge_cpu, "replica": _cpu_meter(replica_pid)},
+                {
+                    "edge": edge_cpu,
+                    "edge" + KERNEL_SUFFIX: _cpu_meter(edge_pid, children=True, kernel_only=True),
+                    "replica": _cpu_meter(replica_pid),
+                },
             )
         )
         spread = _worker_spread(f"http://{metrics}/metrics")
