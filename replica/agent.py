@@ -220,9 +220,12 @@ async def _steps(run: _Run, deps: TurnDeps) -> tuple[str, str]:
     budget = deps.budget
     live = run.live
     chat = chat_history(live)
-    sandbox = deps.sandbox(live)
+    # Made at the first tool call: most turns make none, and reading the offsets walks the
+    # whole transcript. The transcript does not change until the run commits, so they are
+    # what they would have been at the start.
+    sandbox: Sandbox | None = None
+    offsets: dict[str, int] = {}  # read on from where the model left off
     notify = functools.partial(deps.notify, live)  # minted only when a job is started
-    offsets = live.owned.transcript.read_offsets()  # read on from where the model left off
     try:
         async with asyncio.timeout(budget.max_seconds):
             for _ in range(budget.max_steps):
@@ -235,6 +238,9 @@ async def _steps(run: _Run, deps: TurnDeps) -> tuple[str, str]:
                 chat.append(ChatMessage("assistant", run.pending[-1].content, tuple(calls)))
                 if not calls:
                     return "succeeded", "stop"
+                if sandbox is None:
+                    sandbox = deps.sandbox(live)
+                    offsets = live.owned.transcript.read_offsets()
                 for call in calls:
                     result = await run_tool(sandbox, call, notify=notify, read_offsets=offsets)
                     result = ToolResult(clean(result.content), result.extra, result.is_error)
