@@ -30,6 +30,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from replica import protocol
 from replica.callbacks import CallbackHandler, auth_class
 from replica.commands import CommandDeps, handle
+from replica.corking import HTTP_SEND_NOW
 from replica.errors import (
     BadRequest,
     CorruptHistory,
@@ -46,7 +47,7 @@ from replica.grants import Grant, GrantVerifier, verify_grant
 from replica.live import LiveSession, Outgoing
 from replica.probes import Readiness
 from replica.transcript import UnknownMessage
-from replica.websocket_protocol import SEND_NOW
+from replica.websocket_protocol import WS_SEND_NOW
 from wire.auth import AuthClass, classify_authorization
 from wire.errors import InvalidName, WireError
 from wire.http import (
@@ -268,7 +269,9 @@ class ReplicaApp:
         try:
             await websocket.accept(headers=[(_WS_SESSION_ID_HEADER, live.session_id.encode())])
             extensions = websocket.scope.get("extensions") or {}
-            subscriber.direct = extensions.get(SEND_NOW, {}).get("send")
+            send_now = extensions.get(WS_SEND_NOW, {}).get("send")
+            if send_now is not None:
+                subscriber.direct = lambda item: bool(send_now(item.text))
             await _first_done(
                 self._ws_reader(websocket, live, subscriber), self._ws_writer(websocket, subscriber)
             )
@@ -336,6 +339,10 @@ class ReplicaApp:
         except Refusal as refusal:
             return self.refused(refusal)
         subscriber = live.attach("sse")
+        extensions = request.scope.get("extensions") or {}
+        chunk_now = extensions.get(HTTP_SEND_NOW, {}).get("send")
+        if chunk_now is not None:
+            subscriber.direct = lambda item: _sse_now(chunk_now, item)
         self.metrics.streams_open.labels("sse").inc()
 
         async def stream() -> AsyncIterator[ServerSentEvent]:
@@ -398,6 +405,25 @@ class HeaderBound:
                     await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def sse_event(item: Outgoing) -> bytes | None:
+    """The bytes ``ServerSentEvent(data=item.text, id=item.event_id).encode()`` makes, put
+    together directly; None for a frame whose text or id holds a line break (never, for frames
+    this replica makes), which is left to the library."""
+    text, event_id = item.text, item.event_id
+    if "\n" in text or "\r" in text:
+        return None
+    if event_id is None:
+        return f"data: {text}\r\n\r\n".encode()
+    if "\n" in event_id or "\r" in event_id:
+        return None
+    return f"id: {event_id}\r\ndata: {text}\r\n\r\n".encode()
+
+
+def _sse_now(chunk_now: Callable[[bytes], bool], item: Outgoing) -> bool:
+    event = sse_event(item)
+    return event is not None and chunk_now(event)
 
 
 async def _first_done(*coroutines: Any) -> None:

@@ -9,14 +9,25 @@ both in one write) or until the end of the current event-loop iteration, whichev
 An application that sends start and body back to back (every Starlette ``Response``) costs one
 send; one that sends the head and then waits (an event stream) has its head out within the same
 iteration, so nothing is delayed.
+
+The same cycle offers a chunk written now, for event streams: ``beyond.http.send_now`` in the
+request's scope extensions is a function that writes one piece of a started, chunked,
+unfinished response straight to the transport (through the held head, so order holds) and says
+True, or says False when the response is not in that state, the client is gone, or flow control
+has paused writing: then the caller sends it the ordinary way, through the ASGI ``send``. An
+event stream's frames otherwise each go through an async generator step, a cancel scope, the
+middleware's wrappers and the ASGI message, as many as a thousand a second per replica core.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+HTTP_SEND_NOW = "beyond.http.send_now"
 
 
 class HeldHead:
@@ -66,3 +77,24 @@ class CorkedHttp(HttpToolsProtocol):
         # On an upgrade there is no new cycle (the WebSocket protocol takes the transport).
         if cycle is not None and cycle.transport is self.transport:
             cycle.transport = HeldHead(self.transport, self.loop)  # type: ignore[assignment]
+            extensions = cycle.scope.setdefault("extensions", {})
+            extensions[HTTP_SEND_NOW] = {"send": _chunk_now(cycle)}
+
+
+def _chunk_now(cycle: RequestResponseCycle) -> Callable[[bytes], bool]:
+    def send_now(body: bytes) -> bool:
+        """Write ``body`` as one chunk of the response now, if nothing stands in the way."""
+        if (
+            not cycle.response_started
+            or cycle.response_complete
+            or cycle.disconnected
+            or not cycle.chunked_encoding
+            or cycle.flow.write_paused
+            or cycle.transport.is_closing()
+            or not body
+        ):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    return send_now

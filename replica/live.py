@@ -55,10 +55,11 @@ def _merge(queued: Outgoing, item: Outgoing) -> Outgoing | None:
 class Subscriber:
     """One reader's bounded queue. Overflow marks it lagged: it gets ``reconnect`` and is closed.
 
-    A reader whose connection can take a frame at once (``direct``: a WebSocket's send_now)
-    gets it written as it is offered, while its writer waits in ``next()`` with nothing
-    queued: so nothing sent earlier is still on its way, and the order holds. Anything else
-    (a frame the socket cannot take now, or one offered while the writer is busy) is queued."""
+    A reader whose connection can take a frame at once (``direct``: a WebSocket's or an event
+    stream's send_now, given the frame) gets it written as it is offered, while its writer
+    waits in ``next()`` with nothing queued: so nothing sent earlier is still on its way, and
+    the order holds. Anything else (a frame the socket cannot take now, or one offered while
+    the writer is busy) is queued."""
 
     __slots__ = ("_event", "_limit", "closed", "direct", "kind", "lagged", "parked", "queue")
 
@@ -70,12 +71,12 @@ class Subscriber:
         self.lagged = False
         self.closed = False
         self.parked = False  # a reader waits in next() for a frame or the end
-        self.direct: Callable[[str], bool] | None = None
+        self.direct: Callable[[Outgoing], bool] | None = None
 
     def offer(self, item: Outgoing) -> None:
         if self.closed or self.lagged:
             return
-        if self.parked and not self.queue and self.direct is not None and self.direct(item.text):
+        if self.parked and not self.queue and self.direct is not None and self.direct(item):
             return
         merged = _merge(self.queue[-1], item) if self.queue else None
         if merged is not None:

@@ -23,7 +23,7 @@ from websockets.protocol import State
 
 from wire.http import RETRY_AFTER_HEADER, RETRY_AFTER_S, RETRY_LATER
 
-SEND_NOW: Final = "beyond.websocket.send_now"
+WS_SEND_NOW: Final = "beyond.websocket.send_now"
 _TEXT_FIN: Final = 0x81  # FIN and the text opcode; a server's frames are not masked
 
 
@@ -47,7 +47,7 @@ class ReplicaWebSockets(WebSocketsSansIOProtocol):
         super().handle_connect(event)
         scope = getattr(self, "scope", None)  # absent when the upgrade was refused outright
         if scope is not None:
-            scope["extensions"][SEND_NOW] = {"send": self.send_now}
+            scope["extensions"][WS_SEND_NOW] = {"send": self.send_now}
 
     def send_now(self, text: str) -> bool:
         """Write ``text`` as one frame now if nothing stands in the way; False: send it later

@@ -117,9 +117,9 @@ async def test_a_waiting_writer_s_frames_are_written_at_once_and_the_rest_queued
     written: list[str] = []
     socket_open = True
 
-    def send_now(text: str) -> bool:
+    def send_now(item: Outgoing) -> bool:
         if socket_open:
-            written.append(text)
+            written.append(item.text)
         return socket_open
 
     sub = Subscriber("ws")

@@ -6,9 +6,12 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sse_starlette.event import ServerSentEvent
 
 from replica import protocol
+from replica.app import sse_event
 from replica.errors import BadRequest
+from replica.live import Outgoing
 from replica.protocol import (
     COMMANDS,
     LIST_CAP,
@@ -199,3 +202,18 @@ def test_a_text_delta_is_encoded_as_the_general_encoder_does(run_id: str, text: 
     frame = protocol.event("text_delta", run_id=run_id, text=text)
     assert protocol.text_delta_json(run_id, text) == protocol.dumps(frame)
     assert json.loads(protocol.text_delta_json(run_id, text)) == frame
+
+
+@given(text=st.text(max_size=60), event_id=st.none() | st.text(max_size=12))
+@settings(max_examples=400)
+def test_an_event_stream_frame_is_the_bytes_the_library_would_write(
+    text: str, event_id: str | None
+) -> None:
+    item = Outgoing(text, event_id)
+    expected = ServerSentEvent(data=text, id=event_id).encode()
+    made = sse_event(item)
+    assert made == expected or (made is None and any(c in text + (event_id or "") for c in "\r\n"))
+    # Frames as the replica makes them (JSON, line breaks escaped) are always put together here.
+    frame = protocol.dumps(protocol.event("text_delta", run_id="r1", text=text))
+    plain_id = None if event_id is None or "\n" in event_id or "\r" in event_id else event_id
+    assert sse_event(Outgoing(frame, plain_id)) == ServerSentEvent(data=frame, id=plain_id).encode()
