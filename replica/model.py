@@ -16,18 +16,32 @@ behind it is released at once rather than when the generator is collected.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import json
 import math
 import os
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+import ssl
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias, cast
+from typing import TypeAlias
 
+import certifi
 import httpx
 
-from replica import model_script, model_wire
+from replica import http1_wire, model_script, model_wire
 from replica.errors import ConfigError
+from replica.http1_client import (
+    ConnectError,
+    ConnectionPool,
+    HTTPError,
+    Origin,
+    Response,
+    TimeoutException,
+    TransportError,
+)
+from replica.http_proxied import ProxiedClient, ProxiedResponse, proxy_applies
 from replica.model_types import (
     ChatMessage,
     Finish,
@@ -187,7 +201,10 @@ class StubModel(_ScriptedModel):
 
 _MAX_ERROR_BODY = 64 * 1024
 _DRAIN_S = 0.5
-_DRAIN_LINES = 16
+_DRAIN_BYTES = 64 * 1024
+_MAX_READ_WINDOW_S = 1.0
+_PORTS = {"http": 80, "https": 443}
+_USER_AGENT = "beyond-fleet-replica"
 # Servers quote keys back in their 401 text (OpenAI masks the middle); none of it is shown.
 _KEYLIKE = re.compile(r"\b(?:sk|key)-[A-Za-z0-9_*.\-]{6,}")
 _HEADER_SAFE = re.compile(r"[\x21-\x7e]{1,4096}")
@@ -213,7 +230,18 @@ class OpenAIModel:
 
     The API key is read once, at construction, from the environment variable ``api_key_env``;
     when it is unset or empty no ``Authorization`` header is sent (local servers need none).
+    User-info in ``base_url`` is sent as Basic credentials instead, as httpx did.
     ``timeout`` bounds connecting, sending, and each wait for the next chunk of the stream.
+
+    Requests go through ``replica.http1_client`` (pooled keep-alive connections, the answer
+    read as it arrives, ``https`` verified against certifi's bundle or ``SSL_CERT_FILE`` /
+    ``SSL_CERT_DIR``, as httpx verified it). That client knows no proxies: when
+    ``HTTP_PROXY``, ``HTTPS_PROXY`` or ``ALL_PROXY`` applies to the endpoint (``NO_PROXY``
+    considered, at construction), requests go through httpx instead
+    (``replica.http_proxied``), which honours them.
+
+    ``read_window_s`` above zero reads the stream at most once per that window, so the
+    tokens a server sends meanwhile arrive as one read (see ``Response.pace``).
     """
 
     def __init__(
@@ -223,111 +251,149 @@ class OpenAIModel:
         api_key_env: str = "OPENAI_API_KEY",
         timeout: float = 60.0,
         *,
-        transport: httpx.AsyncBaseTransport | None = None,
+        read_window_s: float = 0.0,
     ) -> None:
         url = httpx.URL(base_url.rstrip("/"))
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError("base_url must be an http(s) URL with a host")
         if timeout <= 0:
             raise ValueError("timeout must be positive")
+        if not 0 <= read_window_s <= _MAX_READ_WINDOW_S:
+            raise ValueError(f"read_window_s must be from 0 to {_MAX_READ_WINDOW_S:g}")
         self.model = model
         self.api_key_env = api_key_env
-        self._endpoint = str(url) + "/chat/completions"
+        self._read_window_s = read_window_s
+        endpoint = url.copy_with(path=url.path + "/chat/completions")
         self._shown_url = str(url.copy_with(username=None, password=None))
         key = os.environ.get(api_key_env, "")
         if key and not _HEADER_SAFE.fullmatch(key):
             # Checked here so the failure names the variable, never the value.
             raise ConfigError(f"environment variable {api_key_env} does not hold a usable key")
         self._key = _Secret(key) if key else None
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), transport=transport)
+        self._authorization = _authorization(endpoint, self._key)
+        self._headers: tuple[tuple[str, str], ...] = (
+            ("host", url.netloc.decode("ascii")),
+            ("user-agent", _USER_AGENT),
+            ("accept", "text/event-stream"),
+            ("accept-encoding", "identity"),
+            ("content-type", "application/json"),
+        )
+        self._url = str(endpoint)
+        self._origin = Origin(
+            url.scheme, url.raw_host.decode("ascii"), url.port or _PORTS[url.scheme]
+        )
+        self._target = endpoint.raw_path
+        self._proxied: ProxiedClient | None = None
+        if proxy_applies(url.scheme, url.host):
+            self._proxied = ProxiedClient(timeout)
+        self._pool = ConnectionPool(timeout, ssl_context=_ssl_context)
 
     def __repr__(self) -> str:
         key = "set" if self._key else "unset"
         return f"OpenAIModel({self._shown_url!r}, model={self.model!r}, key {key})"
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._pool.aclose()
+        if self._proxied is not None:
+            await self._proxied.aclose()
 
     async def stream(
         self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *, max_tokens: int
     ) -> AsyncIterator[ModelEvent]:
         body = model_wire.request_body(self.model, messages, tools, max_tokens=max_tokens)
-        headers = {"accept": "text/event-stream"}
-        if self._key is not None:
-            headers["authorization"] = "Bearer " + self._key.reveal()
+        content = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         # Failures are raised after the except clauses, not inside them, so no exception
         # carries an unredacted predecessor in __context__.
         failure: ModelError | None = None
+        response: Response | ProxiedResponse | None = None
         try:
-            async with self._client.stream(
-                "POST", self._endpoint, json=body, headers=headers
-            ) as response:
-                if not 200 <= response.status_code < 300:
-                    raise await self._http_error(response)
-                ctype = response.headers.get("content-type", "")
-                if ctype.startswith("application/json"):
-                    raise ModelProtocolError(
-                        f"model server {self._shown_url} answered JSON, not an event stream"
-                    )
-                decoder = model_wire.SSEDecoder()
-                assembler = model_wire.StreamAssembler()
-                # Read as the network delivers it, not line by line: one step through the
-                # client's stream per read, and the text of every token in a read goes on as
-                # one delta. The iterator is an async generator; closing it here, not at
-                # garbage collection, keeps its clean-up inside this task.
-                received = cast("AsyncGenerator[bytes, None]", response.aiter_bytes())
-                async with contextlib.aclosing(received) as reads:
-                    async for chunk in reads:
-                        events: list[ModelEvent] = []
-                        for data in decoder.feed_bytes(chunk):
-                            events += assembler.feed_data(data)
-                            if assembler.done:
-                                break
-                        for event in model_wire.merge_text(events):
-                            yield event
-                        if assembler.done:
-                            break
+            response = await self._send(content.encode())
+            if not 200 <= response.status < 300:
+                raise await self._http_error(response)
+            ctype = response.header("content-type") or ""
+            if ctype.startswith("application/json"):
+                raise ModelProtocolError(
+                    f"model server {self._shown_url} answered JSON, not an event stream"
+                )
+            if _encoded(response):
+                raise ModelProtocolError(
+                    f"model server {self._shown_url} sent an encoded body it was not asked for"
+                )
+            response.pace(self._read_window_s)
+            decoder = model_wire.SSEDecoder()
+            assembler = model_wire.StreamAssembler()
+            # Everything that has arrived since the last read at once: one step per read, and
+            # the text of every token in it goes on as one delta.
+            while chunk := await response.read():
+                events: list[ModelEvent] = []
+                for data in decoder.feed_bytes(chunk):
+                    events += assembler.feed_data(data)
                     if assembler.done:
-                        await _drain(reads)
-                        return
-                for data in decoder.close():
-                    for event in assembler.feed_data(data):
-                        yield event
-                for event in assembler.end_of_stream():
+                        break
+                for event in model_wire.merge_text(events):
                     yield event
+                if assembler.done:
+                    # What follows [DONE] (normally just the end of the body) is read so the
+                    # connection can be reused; a server that keeps the stream open after it
+                    # is cut off.
+                    with contextlib.suppress(HTTPError, TimeoutError):
+                        async with asyncio.timeout(_DRAIN_S):
+                            await response.drain(_DRAIN_BYTES)
+                    return
+            for data in decoder.close():
+                for event in assembler.feed_data(data):
+                    yield event
+            for event in assembler.end_of_stream():
+                yield event
         except ModelError as exc:
             failure = self._redacted(exc)
-        except httpx.TimeoutException as exc:
+        except TimeoutException as exc:
             failure = ModelTimeout(
                 f"model server {self._shown_url} timed out ({type(exc).__name__})"
             )
-        except httpx.ConnectError as exc:
+        except ConnectError as exc:
             failure = ModelUnavailable(
                 f"cannot connect to model server {self._shown_url} ({type(exc).__name__})"
             )
-        except httpx.TransportError as exc:
+        except TransportError as exc:
             failure = ModelStreamError(
                 f"connection to model server {self._shown_url} broke off ({type(exc).__name__})"
             )
-        except httpx.HTTPError as exc:
+        except HTTPError as exc:
             failure = ModelProtocolError(
                 f"model server {self._shown_url} sent an unreadable response ({type(exc).__name__})"
             )
+        finally:
+            # An abandoned stream (the consumer's aclose) closes its connection here, at once;
+            # one read to its end goes back to the pool.
+            if response is not None:
+                await response.aclose()
         if failure is not None:
             raise failure
 
-    async def _http_error(self, response: httpx.Response) -> ModelHTTPError:
+    async def _send(self, content: bytes) -> Response | ProxiedResponse:
+        headers = self._headers
+        if self._authorization is not None:
+            headers += (("authorization", self._authorization.reveal()),)
+        if self._proxied is not None:
+            direct = tuple(h for h in headers if h[0] != "host")  # httpx writes its own
+            return await self._proxied.request(self._url, direct, content)
+        return await self._pool.request(
+            self._origin, http1_wire.encode_request("POST", self._target, headers, content)
+        )
+
+    async def _http_error(self, response: Response | ProxiedResponse) -> ModelHTTPError:
         raw = bytearray()
-        async for chunk in response.aiter_bytes():
+        while len(raw) < _MAX_ERROR_BODY and (chunk := await response.read()):
             raw += chunk
-            if len(raw) >= _MAX_ERROR_BODY:
-                break
-        detail = _redact(model_wire.error_detail(bytes(raw[:_MAX_ERROR_BODY])), self._key)
-        retry_after = model_wire.retry_after_seconds(response.headers.get("retry-after"))
-        message = f"model server {self._shown_url} answered {response.status_code}"
+        detail = ""
+        if not _encoded(response):
+            detail = _redact(model_wire.error_detail(bytes(raw[:_MAX_ERROR_BODY])), self._key)
+        retry_after = model_wire.retry_after_seconds(response.header("retry-after"))
+        message = f"model server {self._shown_url} answered {response.status}"
         if detail:
             message += ": " + detail
-        return ModelHTTPError(message, status=response.status_code, retry_after=retry_after)
+        return ModelHTTPError(message, status=response.status, retry_after=retry_after)
 
     def _redacted(self, exc: ModelError) -> ModelError:
         text = str(exc)
@@ -339,13 +405,35 @@ class OpenAIModel:
         return type(exc)(clean)
 
 
-async def _drain(reads: AsyncIterator[bytes]) -> None:
-    """Read what follows ``[DONE]`` (normally just the end of the body) so the connection can
-    be reused; a server that keeps the stream open after it is simply cut off."""
-    with contextlib.suppress(StopAsyncIteration, httpx.HTTPError, TimeoutError):
-        async with asyncio.timeout(_DRAIN_S):
-            for _ in range(_DRAIN_LINES):
-                await anext(reads)
+def _authorization(url: httpx.URL, key: _Secret | None) -> _Secret | None:
+    """The ``Authorization`` value: Basic from the URL's user-info when it has any (httpx
+    sent that over the bearer key), else the bearer key, else none."""
+    if url.username or url.password:
+        pair = f"{url.username}:{url.password}".encode()
+        return _Secret("Basic " + base64.b64encode(pair).decode("ascii"))
+    if key is not None:
+        return _Secret("Bearer " + key.reveal())
+    return None
+
+
+def _encoded(response: Response | ProxiedResponse) -> bool:
+    """A content coding the client did not ask for (it sends ``accept-encoding: identity``;
+    httpx decodes the codings it asked for itself)."""
+    if isinstance(response, ProxiedResponse):
+        return False
+    coding = (response.header("content-encoding") or "identity").strip().lower()
+    return coding != "identity"
+
+
+def _ssl_context() -> ssl.SSLContext:
+    """Certificate and host name verification against the trust store httpx used:
+    ``SSL_CERT_FILE`` or ``SSL_CERT_DIR`` when set, certifi's bundle otherwise. Made once per
+    client, at its first ``https`` connection."""
+    if os.environ.get("SSL_CERT_FILE"):
+        return ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
+    if os.environ.get("SSL_CERT_DIR"):
+        return ssl.create_default_context(capath=os.environ["SSL_CERT_DIR"])
+    return ssl.create_default_context(cafile=certifi.where())
 
 
 def _redact(text: str, key: _Secret | None) -> str:
