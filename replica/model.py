@@ -241,7 +241,11 @@ class OpenAIModel:
     (``replica.http_proxied``), which honours them.
 
     ``read_window_s`` above zero reads the stream at most once per that window, so the
-    tokens a server sends meanwhile arrive as one read (see ``Response.pace``).
+    tokens a server sends meanwhile arrive as one read (see ``Response.pace``). The replica
+    passes its coalescing window (``--coalesce-ms``): text that arrives within a window of the
+    last frame waits for the window's end anyway, so reading once a window delays nothing
+    (but a burst past ``--coalesce-max-chars`` waits for the window's end too); with
+    coalescing off the stream is read as it arrives.
     """
 
     def __init__(
@@ -567,12 +571,19 @@ def _parse_openai(rest: str) -> OpenAISpec:
     )
 
 
-def make_provider(spec: ModelSpec | str) -> ModelProvider:
-    """Build the provider a ``--model`` value names."""
+def make_provider(spec: ModelSpec | str, *, read_window_s: float = 0.0) -> ModelProvider:
+    """Build the provider a ``--model`` value names. ``read_window_s``: how often at most an
+    OpenAI-compatible stream is read (the replica's coalescing window; see ``OpenAIModel``)."""
     if isinstance(spec, str):
         spec = parse_model_spec(spec)
     if isinstance(spec, MockSpec):
         return MockModel()
     if isinstance(spec, StubSpec):
         return StubModel(spec.ttft_s, spec.per_token_s, spec.tokens, spec.tick_s)
-    return OpenAIModel(spec.base_url, spec.model, spec.api_key_env, spec.timeout_s)
+    return OpenAIModel(
+        spec.base_url,
+        spec.model,
+        spec.api_key_env,
+        spec.timeout_s,
+        read_window_s=read_window_s,
+    )

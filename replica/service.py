@@ -110,7 +110,7 @@ class ReplicaService:
             LifecycleConfig(config.lifecycle_url),
             on_drop=lambda reason: self.metrics.lifecycle_dropped.labels(reason).inc(),
         )
-        self.model = make_provider(config.model)
+        self.model = make_provider(config.model, read_window_s=config.coalescing.window_s)
         self.notify_key = NotifyKey(config.notify_key)
         self.http_client: httpx.AsyncClient | None = None
         turn = TurnDeps(

@@ -23,9 +23,11 @@ from replica.model import (
     ModelTimeout,
     ModelUnavailable,
     OpenAIModel,
+    OpenAISpec,
     TextDelta,
     ToolCallEvent,
     ToolSpec,
+    make_provider,
 )
 from replica.model_wire import merge_text
 from tests.replica.raw_http import (
@@ -126,6 +128,32 @@ async def test_tool_calls_are_reassembled_from_fragments_and_round_trip() -> Non
     sent = log.recent[-1].body["messages"]
     assert sent[1]["tool_calls"][1]["function"]["name"] == "job_output"
     assert sent[2]["tool_call_id"] == calls[0].id
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("window_s", [0.0, 0.1])
+async def test_a_read_window_gathers_the_tokens_of_each_window_into_one_delta(
+    window_s: float,
+) -> None:
+    config = ModelServerConfig(per_token_s=0.01, tokens=30)
+    runner, url = await start_model_server("127.0.0.1", 0, config)
+    model = make_provider(OpenAISpec(url), read_window_s=window_s)
+    assert isinstance(model, OpenAIModel)
+    try:
+        started = time.monotonic()
+        events = await collect(model, user("hi"))
+        elapsed = time.monotonic() - started
+    finally:
+        await model.aclose()
+        await runner.cleanup()
+    deltas = sum(isinstance(e, TextDelta) for e in events)
+    assert len(text_of(events).split()) == 30
+    if window_s:
+        # The first read, then at most one a window.
+        assert deltas <= elapsed / window_s + 2
+    else:
+        # A token every 10 ms, each its own read.
+        assert deltas > elapsed / 0.1 + 2
 
 
 @pytest.mark.anyio
