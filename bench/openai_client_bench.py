@@ -5,7 +5,8 @@ model server with ``--ttft-ms 100 --per-token-ms 10 --tokens 200``, 80 WebSocket
 prompting back to back, a 20 s window after 4 s of warm-up, the replica's CPU read from /proc),
 repeated ``--runs`` times with a fresh replica each time; with ``--stub``, each run is followed
 by the same workload on the in-process stub model, so the client's own cost is the difference.
-Prints each run's ``replica_us_per_token`` and the medians.
+Prints each run's ``replica_us_per_token`` (and streaming sessions per replica core) and the
+medians.
 
     python -m bench.openai_client_bench [--runs 3] [--stub] [--quick] [--json FILE]
 """
@@ -57,6 +58,7 @@ def run(runs: int, stub: bool, quick: bool) -> dict[str, Any]:
     sizes = Sizes.of(quick)
     raise_fd_limit()
     per_run: dict[str, list[float]] = {"openai": [], "stub": []} if stub else {"openai": []}
+    per_core: dict[str, list[float]] = {label: [] for label in per_run}
     with tempfile.TemporaryDirectory(prefix="openai-client-bench-") as tmp:
         root = Path(tmp)
         (root / "fleet").mkdir()
@@ -73,17 +75,20 @@ def run(runs: int, stub: bool, quick: bool) -> dict[str, Any]:
                     us = result["replica_us_per_token"]
                     print(
                         f"run {i + 1} {label}: replica_us_per_token={us} "
+                        f"sessions_per_core={result['replica_sessions_per_core']} "
                         f"tokens={result['tokens']} cores={result['replica_cores']}",
                         file=sys.stderr,
                         flush=True,
                     )
                     per_run[label].append(us)
+                    per_core[label].append(result["replica_sessions_per_core"])
         finally:
             fleet.close()
     out: dict[str, Any] = {"sizes": {"sessions": sizes.sessions, "seconds": sizes.seconds}}
     for label, values in per_run.items():
         out[f"{label}_replica_us_per_token"] = values
         out[f"{label}_replica_us_per_token_median"] = statistics.median(values)
+        out[f"{label}_sessions_per_core_median"] = statistics.median(per_core[label])
     if stub:
         out["openai_over_stub_us_per_token_median"] = round(
             out["openai_replica_us_per_token_median"] - out["stub_replica_us_per_token_median"], 1
