@@ -40,7 +40,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def cpu_split(pid: int) -> tuple[float, float]:
-    """CPU seconds ``pid`` has used so far in user space and in the kernel."""
+    """CPU seconds ``pid`` has used in user space and in the kernel on its behalf."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 

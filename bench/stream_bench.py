@@ -15,7 +15,10 @@
   the default, and the difference;
 - **the edge's CPU per relayed frame and per streamed token**, with one worker and with two
   (``fleet-edge serve --workers``), the same stub workload going through it, and how the
-  client connections spread across the workers (``edge_connections_accepted_total``).
+  client connections spread across the workers (``edge_connections_accepted_total``); the
+  edge's CPU also split into its own code's (``edge_user_*``: Python, the event loop) and the
+  kernel's on its behalf (``edge_system_*``: TCP on loopback, wake-ups), which a relay written
+  in any language pays alike.
 
     python -m bench.stream_bench [--quick] [--json FILE]
 
@@ -62,9 +65,10 @@ TARGET_OPENAI_SESSIONS_PER_CORE: Final = 500
 TARGET_ADDED_P99_MS: Final = 50.0
 TARGET_EDGE_OVER_REPLICA: Final = 0.2
 SHARD: Final = "a07-s1"
-# A meter of the kernel's part of a process's CPU (its own writes and fsyncs, and on loopback
-# the receiving side's TCP processing too, which a real network moves to the client's host).
-KERNEL_SUFFIX: Final = "_kernel"
+# Meters named with these suffixes measure a part of a process's CPU (see _cpu_meter). On
+# loopback the system part includes the receiving side's TCP processing and wake-up, which a
+# network moves to the other host.
+CPU_PARTS: Final = ("_user", "_system")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,11 +146,9 @@ def _grants(fleet: Fleet, count: int) -> list[tuple[str, str]]:
     return [(sid, fleet.grant("bench", sid, sandbox=False)) for sid in sids]
 
 
-def _cpu_meter(
-    pid: int, *, children: bool = False, kernel_only: bool = False
-) -> Callable[[], float]:
+def _cpu_meter(pid: int, *, children: bool = False, part: str = "") -> Callable[[], float]:
     """CPU seconds used so far by ``pid`` (and, with ``children``, by the processes it
-    started: an edge's workers); with ``kernel_only``, only the part spent in the kernel."""
+    started: an edge's workers); ``part`` ``"user"`` or ``"system"``: that part alone."""
 
     def used() -> float:
         total = 0.0
@@ -155,7 +157,7 @@ def _cpu_meter(
                 user, system = cpu_split(each)
             except OSError:
                 continue  # gone meanwhile
-            total += system if kernel_only else user + system
+            total += user if part == "user" else system if part == "system" else user + system
         return total
 
     return used
@@ -207,8 +209,9 @@ async def _streaming_run(
         "turns": turns,
     }
     for name, cpu_s in used.items():
-        if name.endswith(KERNEL_SUFFIX):  # a part of another meter: per token only
+        if name.endswith(CPU_PARTS):  # a part of a process's CPU: per token and frame only
             out[f"{name}_us_per_token"] = round(cpu_s / words * 1e6, 1) if words else None
+            out[f"{name}_us_per_frame"] = round(cpu_s / frames * 1e6, 1) if frames else None
             continue
         cores = cpu_s / seconds
         out[f"{name}_cores"] = round(cores, 3)
@@ -262,7 +265,8 @@ def capacity(fleet: Fleet, root: Path, sizes: Sizes) -> dict[str, Any]:
                     sizes.warmup_s,
                     {
                         "replica": _cpu_meter(pid),
-                        "replica" + KERNEL_SUFFIX: _cpu_meter(pid, kernel_only=True),
+                        "replica_user": _cpu_meter(pid, part="user"),
+                        "replica_system": _cpu_meter(pid, part="system"),
                     },
                 )
             )
@@ -337,18 +341,15 @@ def through_the_edge(fleet: Fleet, root: Path, sizes: Sizes) -> dict[str, Any]:
             config, "--workers", str(workers), metrics=metrics, name=f"edge-w{workers}"
         )
         edge_pid = edge.proc.proc.pid
-        edge_cpu = _cpu_meter(edge_pid, children=True)
+        meters = {
+            "edge": _cpu_meter(edge_pid, children=True),
+            "edge_user": _cpu_meter(edge_pid, children=True, part="user"),
+            "edge_system": _cpu_meter(edge_pid, children=True, part="system"),
+            "replica": _cpu_meter(replica_pid),
+        }
         result = asyncio.run(
             _streaming_run(
-                edge.url,
-                _grants(fleet, sizes.sessions),
-                sizes.seconds,
-                sizes.warmup_s,
-                {
-                    "edge": edge_cpu,
-                    "edge" + KERNEL_SUFFIX: _cpu_meter(edge_pid, children=True, kernel_only=True),
-                    "replica": _cpu_meter(replica_pid),
-                },
+                edge.url, _grants(fleet, sizes.sessions), sizes.seconds, sizes.warmup_s, meters
             )
         )
         spread = _worker_spread(f"http://{metrics}/metrics")

@@ -86,7 +86,13 @@ STREAM = (
     *(
         f"edge_{n}w_{figure}"
         for n in (1, 2)
-        for figure in ("edge_us_per_token", "edge_us_per_frame", "replica_us_per_token")
+        for figure in (
+            "edge_us_per_token",
+            "edge_us_per_frame",
+            "edge_user_us_per_frame",
+            "edge_system_us_per_frame",
+            "replica_us_per_token",
+        )
     ),
     "edge_1w_edge_over_replica_cpu_per_token",
 )
