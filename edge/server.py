@@ -5,8 +5,8 @@ straight off the socket and hands anything else, with the bytes it has read, to 
 low-level server for the rest of the connection; :mod:`edge.dispatch` admits each request and
 gives it to its lane. Each aiohttp handler runs with ``handler_cancellation`` on, and the fast
 lane cancels likewise, so a client that goes away cancels its request wherever it is: in
-placement (no more retries; the replica connection is aborted), in a stream, or in a WebSocket
-relay.
+placement (no more retries; the replica connection is aborted) or in a stream. A WebSocket relay
+has both connections' transports to itself and notices a client going away on its own.
 
 States: ``STARTING`` -> ``SERVING`` -> ``DRAINING`` -> ``STOPPED``. Draining goes in ordered
 stages, each bounded:
@@ -196,7 +196,6 @@ class Edge:
             self._lane.abort_all()
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
-        await self.dispatch.websockets.close()
         await self.pool.close()
         self.state = ServerState.STOPPED
         log.info("edge stopped")

@@ -1,41 +1,46 @@
-"""WebSocket sessions through the edge: handshake with the replica first, then relay frames.
+"""WebSocket sessions through the edge: handshake with the replica first, then relay bytes.
 
 The client is upgraded only after a replica has upgraded the edge: the handshake goes to the
 replica (the client's own fields, grant and subprotocols included) through the same
 retry-then-walk placement as any request, and a refusal that is not retried (401, 403, 400, a
 421 from every replica, a 503 past the budget...) reaches the client as that HTTP status with
-its body, never as an upgraded socket that then closes.
+its body, never as an upgraded socket that then closes. A client whose own upgrade request is
+malformed is answered 400 before any replica is asked.
 
-Once both sides are open, two pumps copy messages (text, binary, ping, pong) each way. The
-sockets' own flow control gives backpressure: a pump awaits each send, so a slow reader stalls
-its writer's pump, and the edge stops reading from that writer. Close codes and reasons are
-carried through; either side closing (or vanishing) closes the other, and the edge shutting
-down closes both with 1001.
+The replica's handshake is the edge's own, on a connection of its own
+(:mod:`edge.upstream.wsconnect`); the client's 101 is written by aiohttp's server, which read
+the request. Then both transports are handed to :class:`edge.aio.wsrelay.Relay`, which copies
+bytes between them by protocol callbacks (no task per direction, no message decoded) with the
+transports' own flow control for backpressure, carries close codes and reasons through, closes
+either side when the other closes or vanishes, and closes both with 1001 when the edge shuts
+down. Bytes either side sent past its handshake before the relay had its transport are relayed
+first, in order: the replica's first frame (its catch-up) often comes in the same packet as its
+101, kept by the handshake's reader; a client's first frame may have reached aiohttp's reader
+before the take-over, and is kept by :class:`_Tail`, which stands in for aiohttp's WebSocket
+parser on that connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
-from collections.abc import Awaitable
+import os
+import ssl
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, cast
 
-import aiohttp
-from aiohttp import ClientWebSocketResponse, WSMsgType, web
-from aiohttp.client_middlewares import ClientHandlerType
-from aiohttp.client_reqrep import ClientRequest, ClientResponse
+from aiohttp import web
+from aiohttp.http_websocket import WebSocketReader
 from aiohttp.web_request import BaseRequest
-from yarl import URL
 
 from edge.aio.proxy import REFUSALS
+from edge.aio.wsrelay import CLIENT_GONE, Relay
 from edge.core.accesslog import AccessRecord
 from edge.core.answers import PLACING_ERRORS, placing_failed
 from edge.core.classify import Kind
 from edge.core.config import EdgeOptions, ReplicaConfig
-from edge.core.errors import UpstreamBadResponse, UpstreamTimeout
+from edge.core.errors import UpstreamBadResponse, UpstreamTimeout, UpstreamUnavailable
 from edge.core.exchange import Exchange
 from edge.core.headers import (
     RETRY_AFTER_FIELD,
@@ -47,45 +52,22 @@ from edge.core.headers import (
 from edge.core.metrics import EdgeMetrics, Outcome
 from edge.core.placement import FailedAttempt
 from edge.core.retry import parse_retry_after
+from edge.core.wsframes import close_frame, sendable_close_code
+from edge.core.wshandshake import (
+    Upgrade,
+    check_upgrade,
+    client_handshake,
+    new_key,
+    upgrade_request,
+)
+from edge.upstream.pool import Origin
+from edge.upstream.wsconnect import Refusal, Upgraded, open_upgrade
+
+__all__ = ["HandshakeAnswer", "WebSocketProxy", "sendable_close_code"]
 
 log = logging.getLogger("edge.aio.websocket")
 
-# Replicas send whole transcripts as one catch-up frame; the client's commands are small.
-UPSTREAM_MAX_MESSAGE: Final = 256 * 1024 * 1024
-WS_CLOSE_TIMEOUT_S: Final = 5.0
 REFUSAL_BODY_LIMIT: Final = 64 * 1024
-# Codes an endpoint may put in a close frame (RFC 6455 7.4); others are mapped before sending.
-_NO_STATUS: Final = 1005
-_ABNORMAL: Final = 1006
-
-
-class _HandshakeRefused(Exception):
-    """A replica answered the upgrade with an HTTP status: carried out of ``ws_connect``."""
-
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        super().__init__(status)
-        self.status = status
-        self.headers = headers
-        self.body = body
-
-
-async def _keep_refusal(request: ClientRequest, handler: ClientHandlerType) -> ClientResponse:
-    # aiohttp's handshake error keeps the status and headers but drops the body, which the
-    # client must get; read it here, while the response still exists.
-    response = await handler(request)
-    if response.status == 101:
-        return response
-    try:
-        parts: list[bytes] = []
-        size = 0
-        while chunk := await response.content.readany():
-            size += len(chunk)
-            if size > REFUSAL_BODY_LIMIT:
-                break
-            parts.append(chunk)
-    finally:
-        response.close()
-    raise _HandshakeRefused(response.status, list(response.raw_headers), b"".join(parts))
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,238 +79,185 @@ class HandshakeAnswer:
     body: bytes
 
 
-def sendable_close_code(code: int | None, *, fallback: int) -> int:
-    """A close code that may appear on the wire; ``fallback`` replaces the reserved ones."""
-    if code is None or code == _NO_STATUS:
-        return 1000
-    if 1000 <= code <= 1003 or 1007 <= code <= 1014 or 3000 <= code <= 4999:
-        return code
-    return fallback
+class Placed:
+    """A replica connection upgraded for the session."""
+
+    __slots__ = ("protocol", "upgraded")
+
+    def __init__(self, upgraded: Upgraded, protocol: str | None) -> None:
+        self.upgraded = upgraded
+        self.protocol = protocol
+
+    def close(self, close: tuple[int, bytes]) -> None:
+        """Close it from the edge's side, before any relay (the client was never upgraded)."""
+        transport = self.upgraded.transport
+        if not transport.is_closing():
+            transport.write(close_frame(close[0], close[1], os.urandom(4)))
+            transport.close()
 
 
-class End(enum.Enum):
-    CLOSED = enum.auto()  # a close frame arrived: carry its code on
-    GONE = enum.auto()  # the socket ended without a close frame, or failed
+class _Tail:
+    """Stands in for aiohttp's WebSocket parser on a client connection between the client's
+    handshake and the relay's take-over (``RequestHandler.set_parser``): aiohttp gives it the
+    bytes it read past the request, and any that arrive meanwhile, instead of parsing them."""
 
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.eof = False
 
-@dataclass(frozen=True, slots=True)
-class PumpEnd:
-    end: End
-    code: int | None = None
-    reason: bytes = b""
+    def feed_data(self, data: bytes) -> tuple[bool, bytes]:
+        self.data += data
+        return False, b""
 
-
-UpstreamSocket = ClientWebSocketResponse[Literal[False]]
-ClientSocket = web.WebSocketResponse[Literal[False]]
-Socket = ClientSocket | UpstreamSocket
-
-
-async def pump(source: Socket, sink: Socket) -> PumpEnd:
-    """Copy messages from ``source`` to ``sink`` until ``source`` closes or fails."""
-    try:
-        while True:
-            msg = await source.receive()
-            kind = msg.type
-            if kind is WSMsgType.TEXT or kind is WSMsgType.BINARY:
-                data = msg.data
-                payload = data.encode("utf-8") if isinstance(data, str) else data
-                await sink.send_frame(payload, kind)
-            elif kind is WSMsgType.PING:
-                await sink.ping(msg.data)
-            elif kind is WSMsgType.PONG:
-                await sink.pong(msg.data)
-            elif kind is WSMsgType.CLOSE:
-                reason = msg.extra.encode("utf-8") if isinstance(msg.extra, str) else b""
-                return PumpEnd(End.CLOSED, msg.data, reason)
-            else:
-                # CLOSING (the other pump is closing this socket), CLOSED or ERROR. Never call
-                # receive() again here: that would race the other pump's close.
-                return PumpEnd(End.GONE, source.close_code)
-    except (ConnectionError, RuntimeError, aiohttp.ClientError) as exc:
-        log.debug("websocket pump stopped: %s", type(exc).__name__)
-        return PumpEnd(End.GONE)
-
-
-async def _close(socket: Socket, code: int, reason: bytes = b"") -> None:
-    with contextlib.suppress(ConnectionError, RuntimeError, aiohttp.ClientError, TimeoutError):
-        async with asyncio.timeout(WS_CLOSE_TIMEOUT_S):
-            await socket.close(code=code, message=reason)
-
-
-async def _close_both(first: Socket, second: Socket, code: int, reason: bytes = b"") -> None:
-    await _close(first, code, reason)
-    await _close(second, code, reason)
-
-
-# Closing handshakes run to the end even if the relay is cancelled meanwhile (the client's
-# connection closing fires aiohttp's handler cancellation in the middle of them).
-_closers: set[asyncio.Task[None]] = set()
-
-
-async def _shielded(closing: Awaitable[None]) -> None:
-    task = asyncio.ensure_future(closing)
-    _closers.add(task)
-    task.add_done_callback(_closers.discard)
-    await asyncio.shield(task)
-
-
-async def relay_frames(client: ClientSocket, upstream: UpstreamSocket) -> None:
-    """Run both pumps; the first to end decides how the other side is closed."""
-    up = asyncio.create_task(pump(client, upstream), name="ws client->replica")
-    down = asyncio.create_task(pump(upstream, client), name="ws replica->client")
-    try:
-        done, _ = await asyncio.wait((up, down), return_when=asyncio.FIRST_COMPLETED)
-        if up in done:
-            ended = up.result()
-            if ended.end is End.CLOSED:
-                code = sendable_close_code(ended.code, fallback=1000)
-                await _shielded(_close_both(upstream, client, code, ended.reason))
-            else:
-                await _shielded(_close_both(upstream, client, 1001))
-        else:
-            ended = down.result()
-            if ended.end is End.CLOSED:
-                code = sendable_close_code(ended.code, fallback=1011)
-                await _shielded(_close_both(client, upstream, code, ended.reason))
-            else:
-                # The replica vanished without a close frame.
-                await _shielded(
-                    _close_both(client, upstream, 1011, b"the replica connection was lost")
-                )
-        await asyncio.wait((up, down), timeout=WS_CLOSE_TIMEOUT_S)
-    except asyncio.CancelledError:
-        # The edge is shutting down, or the client's connection is gone: the replica is told
-        # first, since the client may already be unreachable.
-        await _shielded(_close_both(upstream, client, 1001, b"the edge is going away"))
-        raise
-    finally:
-        for task in (up, down):
-            task.cancel()
-        await asyncio.gather(up, down, return_exceptions=True)
+    def feed_eof(self) -> None:
+        self.eof = True
 
 
 class WebSocketProxy:
-    """Owns the aiohttp client session used for replica handshakes."""
+    """Places WebSocket handshakes on replicas and relays the sessions; counts them."""
 
     def __init__(self, metrics: EdgeMetrics) -> None:
         self.metrics = metrics
-        self._session: aiohttp.ClientSession | None = None
+        self.relays: set[Relay] = set()  # sessions being relayed, for tests and debugging
+        self._origins: dict[str, Origin] = {}
+        self._tls: ssl.SSLContext | None = None
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, force_close=True),
-                timeout=aiohttp.ClientTimeout(total=None),
-                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
-                middlewares=(_keep_refusal,),
-                auto_decompress=False,
-            )
-        return self._session
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+    def _origin(self, url: str) -> Origin:
+        origin = self._origins.get(url)
+        if origin is None:
+            origin = self._origins[url] = Origin.parse(url)
+        return origin
 
     async def _attempt(
         self,
         replica: ReplicaConfig,
-        url_path: str,
-        headers: list[tuple[str, str]],
-        protocols: tuple[str, ...],
+        target: str,
+        fields: RawHeaders,
+        offered: tuple[str, ...],
         options: EdgeOptions,
-    ) -> UpstreamSocket | HandshakeAnswer | FailedAttempt:
-        url = URL(replica.url + url_path, encoded=True)
+    ) -> Placed | HandshakeAnswer | FailedAttempt:
+        origin = self._origin(replica.url)
+        tls: ssl.SSLContext | None = None
+        if origin.tls:
+            if self._tls is None:
+                self._tls = ssl.create_default_context()
+            tls = self._tls
+        key = new_key()
+        request = upgrade_request(
+            target, fields, host=origin.host_header, key=key, protocols=offered
+        )
         try:
             handshake_s = options.connect_timeout_s + options.upstream_header_timeout_s
             async with asyncio.timeout(handshake_s):
-                return await self._client().ws_connect(
-                    url,
-                    headers=headers,
-                    protocols=protocols,
-                    timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=WS_CLOSE_TIMEOUT_S),
-                    autoclose=False,
-                    autoping=False,
-                    max_msg_size=UPSTREAM_MAX_MESSAGE,
-                    decode_text=False,
-                )
-        except _HandshakeRefused as refused:
-            status = refused.status
-            if status in REFUSALS:
-                retry_after = None
-                for name, value in refused.headers:
-                    if name.lower() == RETRY_AFTER_FIELD:
-                        retry_after = parse_retry_after(value.decode("latin-1"))
-                note = refused.body[:512].decode("utf-8", "replace").strip().replace("\n", " ")
-                return FailedAttempt.refused(status, retry_after, f"{status} {note}".rstrip())
-            return HandshakeAnswer(status, refused.headers, refused.body)
-        except aiohttp.WSServerHandshakeError as exc:
-            raise UpstreamBadResponse(
-                f"{replica.url} botched the WebSocket handshake: {exc.message}"
-            ) from None
+                answer = await open_upgrade(origin, request, tls=tls, body_limit=REFUSAL_BODY_LIMIT)
         except TimeoutError:
             raise UpstreamTimeout(
                 f"{replica.url} did not complete the WebSocket handshake"
             ) from None
-        except (aiohttp.ClientConnectionError, OSError) as exc:
-            log.debug("%s is unreachable: %s", replica.url, type(exc).__name__)
+        except UpstreamUnavailable as exc:
+            log.debug("%s", exc)
             return FailedAttempt.unreached("unreachable")
+        if isinstance(answer, Refusal):
+            status = answer.status
+            if status in REFUSALS:
+                retry_after = None
+                for name, value in answer.headers:
+                    if name.lower() == RETRY_AFTER_FIELD:
+                        retry_after = parse_retry_after(value.decode("latin-1"))
+                note = answer.body[:512].decode("utf-8", "replace").strip().replace("\n", " ")
+                return FailedAttempt.refused(status, retry_after, f"{status} {note}".rstrip())
+            return HandshakeAnswer(status, answer.headers, answer.body)
+        checked = check_upgrade(answer.headers, key, offered)
+        if not isinstance(checked, Upgrade):
+            answer.abort()
+            raise UpstreamBadResponse(f"{replica.url} botched the WebSocket handshake: {checked}")
+        return Placed(answer, checked.protocol)
 
     async def forward(
         self, request: BaseRequest, target: str, headers: RawHeaders, exchange: Exchange
     ) -> tuple[web.StreamResponse, Outcome]:
+        accept = client_handshake(headers)
+        if isinstance(accept, str):
+            return web.Response(status=400, text=accept), Outcome.REJECTED
         options = exchange.options
         fields = websocket_headers(headers)
         offered = websocket_protocols(headers)
 
-        async def attempt(
-            replica: ReplicaConfig,
-        ) -> UpstreamSocket | HandshakeAnswer | FailedAttempt:
+        async def attempt(replica: ReplicaConfig) -> Placed | HandshakeAnswer | FailedAttempt:
             return await self._attempt(replica, target, fields, offered, options)
 
         try:
-            upstream: UpstreamSocket | HandshakeAnswer = await exchange.place(attempt)
+            placed: Placed | HandshakeAnswer = await exchange.place(attempt)
         except PLACING_ERRORS as exc:
             failed = placing_failed(exc, exchange, self.metrics)
             return failed.response(), failed.outcome
         elapsed = asyncio.get_running_loop().time() - exchange.started
         self.metrics.placement[Kind.WEBSOCKET].observe(elapsed)
-        if isinstance(upstream, HandshakeAnswer):
+        if isinstance(placed, HandshakeAnswer):
             out = web.Response(
-                status=upstream.status,
-                body=upstream.body,
-                headers=response_headers(upstream.headers, keep_length=False),
+                status=placed.status,
+                body=placed.body,
+                headers=response_headers(placed.headers, keep_length=False),
             )
             return out, Outcome.DELIVERED
-        return await self._relay(request, upstream, options, exchange.record)
+        return await self._relay(request, placed, accept, options, exchange.record)
 
     async def _relay(
         self,
         request: BaseRequest,
-        upstream: UpstreamSocket,
+        placed: Placed,
+        accept: bytes,
         options: EdgeOptions,
         record: AccessRecord,
     ) -> tuple[web.StreamResponse, Outcome]:
-        chosen = upstream.protocol
-        client: ClientSocket = web.WebSocketResponse(
-            protocols=(chosen,) if chosen else (),
-            autoclose=False,
-            autoping=False,
-            compress=False,
-            max_msg_size=options.max_request_body_bytes,
-            timeout=WS_CLOSE_TIMEOUT_S,
-            decode_text=False,
-        )
-        gauge = self.metrics.streams[Kind.WEBSOCKET]
+        headers = {
+            "Upgrade": "websocket",
+            "Connection": "upgrade",
+            "Sec-WebSocket-Accept": accept.decode("ascii"),
+        }
+        if placed.protocol:
+            headers["Sec-WebSocket-Protocol"] = placed.protocol
+        response = web.StreamResponse(status=101, reason="Switching Protocols", headers=headers)
+        response.force_close()
+        handler = request.protocol
+        tail = _Tail()
         try:
-            await client.prepare(request)
+            # From here aiohttp hands what it reads on this connection to ``tail``.
+            handler.set_parser(cast(WebSocketReader, tail))
+            handler.keep_alive(False)
+            await response.prepare(request)
+            await response.write_eof()
+            transport = request.transport
+            if transport is None or transport.is_closing() or tail.eof:
+                raise ConnectionResetError("the client went away")
         except BaseException:
-            await upstream.close(code=1001)
+            placed.close(CLIENT_GONE)
             raise
         record.answered(101)
+        relay = Relay(
+            transport, placed.upgraded.transport, message_limit=options.max_request_body_bytes
+        )
+        relay.start(
+            client_tail=bytes(tail.data),
+            replica_tail=placed.upgraded.tail,
+            replica_lost=placed.upgraded.lost,
+        )
+        # aiohttp's handler no longer hears from the connection: it is told the connection is
+        # over once it has finished with the request, as it would have been by the transport.
+        request.task.add_done_callback(lambda _: handler.connection_lost(None))
+        gauge = self.metrics.streams[Kind.WEBSOCKET]
         gauge.inc()
+        self.relays.add(relay)
         try:
-            await relay_frames(client, upstream)
+            await asyncio.shield(relay.finished)
+        except asyncio.CancelledError:
+            # The edge is shutting down: both sides are closed with 1001, and given their close
+            # time, even if this task is cancelled again meanwhile.
+            relay.shut_down()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(relay.finished)
+            raise
         finally:
+            self.relays.discard(relay)
             gauge.dec()
-        return client, Outcome.DELIVERED
+        return response, Outcome.DELIVERED

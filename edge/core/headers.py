@@ -43,7 +43,7 @@ HOP_BY_HOP = frozenset(
 # Bodies are re-framed by the edge, and Expect is answered by the edge.
 REFRAMED = HOP_BY_HOP | {b"content-length", b"expect"}
 _CALLBACK_DROP = (HOP_BY_HOP - {b"transfer-encoding"}) | {b"expect"}
-# aiohttp writes its own handshake for the replica side of a WebSocket.
+# The edge writes its own handshake for the replica side of a WebSocket.
 _WS_HANDSHAKE = HOP_BY_HOP | {
     b"content-length",
     b"expect",
@@ -174,10 +174,11 @@ def response_fields(headers: RawHeaders) -> bytes:
     return b"".join(lines)
 
 
-def websocket_headers(headers: RawHeaders) -> list[tuple[str, str]]:
-    """The client's handshake fields to send on to the replica (its grant, cookies, origin...)."""
+def websocket_headers(headers: RawHeaders) -> list[tuple[bytes, bytes]]:
+    """The client's handshake fields to send on to the replica (its grant, cookies, origin...),
+    as received."""
     drop = _drop_set(headers, _WS_HANDSHAKE)
-    return [(_text(n), _text(v)) for n, v in headers if n.lower() not in drop]
+    return [(n, v) for n, v in headers if n.lower() not in drop]
 
 
 def websocket_protocols(headers: RawHeaders) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
 """Pooled keep-alive HTTP/1.1 connections to replicas: the edge's upstream transport for plain
-requests (commands, callbacks, SSE). WebSockets use aiohttp's client (see ``edge.aio.websocket``).
+requests (commands, callbacks, SSE). A WebSocket handshake takes a connection of its own, which
+becomes the session's (``edge.upstream.wsconnect``).
 
 Why not ``aiohttp.ClientSession`` here: on the reference 2-core box a pooled aiohttp client
 request costs about 0.3 ms of CPU (URL objects, request/response objects, timers, tracing

@@ -103,7 +103,7 @@ def test_websocket_fields() -> None:
         (b"x-beyond-grant", b"g"),
         (b"Origin", b"https://app"),
     ]
-    assert websocket_headers(handshake) == [("x-beyond-grant", "g"), ("Origin", "https://app")]
+    assert websocket_headers(handshake) == [(b"x-beyond-grant", b"g"), (b"Origin", b"https://app")]
     assert websocket_protocols(handshake) == ("beyond.v1", "other", "third")
 
 
