@@ -35,7 +35,7 @@ from aiohttp.http_websocket import WebSocketReader
 from aiohttp.web_request import BaseRequest
 
 from edge.aio.proxy import REFUSALS
-from edge.aio.wsrelay import CLIENT_GONE, Relay
+from edge.aio.wsrelay import CLIENT_GONE, CLOSE_TIMEOUT_S, Relay
 from edge.core.accesslog import AccessRecord
 from edge.core.answers import PLACING_ERRORS, placing_failed
 from edge.core.classify import Kind
@@ -119,6 +119,7 @@ class WebSocketProxy:
     def __init__(self, metrics: EdgeMetrics) -> None:
         self.metrics = metrics
         self.relays: set[Relay] = set()  # sessions being relayed, for tests and debugging
+        self.close_timeout_s = CLOSE_TIMEOUT_S  # how long a closing session may take
         self._origins: dict[str, Origin] = {}
         self._tls: ssl.SSLContext | None = None
 
@@ -235,7 +236,10 @@ class WebSocketProxy:
             raise
         record.answered(101)
         relay = Relay(
-            transport, placed.upgraded.transport, message_limit=options.max_request_body_bytes
+            transport,
+            placed.upgraded.transport,
+            message_limit=options.max_request_body_bytes,
+            close_timeout_s=self.close_timeout_s,
         )
         relay.start(
             client_tail=bytes(tail.data),

@@ -27,8 +27,9 @@ Closing, as the edge did when it relayed messages:
 * :meth:`Relay.shut_down` (the edge draining) closes both with 1001 "the edge is going away",
   each as soon as the frame in flight towards it has ended.
 
-A relay that has begun closing gets :data:`CLOSE_TIMEOUT_S` to finish; whatever is still open
-then is aborted. :attr:`Relay.finished` is done once both connections are.
+A relay that has begun closing gets :data:`CLOSE_TIMEOUT_S` to finish: then a side still owed the
+answer to its close gets it, both connections close, and whatever has not closed
+:data:`LAST_WRITE_S` later is aborted. :attr:`Relay.finished` is done once both connections are.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from edge.core.wsframes import (
 )
 
 CLOSE_TIMEOUT_S: Final = 5.0
+# After the close time, what a connection still has to write gets this long to go out.
+LAST_WRITE_S: Final = 1.0
 
 Close = tuple[int, bytes]
 CLIENT_GONE: Final[Close] = (1001, b"")
@@ -311,6 +314,22 @@ class Relay:
             self._deadline = self._loop.call_later(self._close_timeout_s, self._out_of_time)
 
     def _out_of_time(self) -> None:
+        """The close time is up. A side still owed the echo of its close gets it if it can
+        (between two frames), as when the edge closed sessions message by message; then both
+        connections close, and what has not closed :data:`LAST_WRITE_S` later is aborted."""
+        self._deadline = self._loop.call_later(LAST_WRITE_S, self._abort)
+        for side in (self.client, self.replica):
+            if side.gone:
+                continue
+            into = side.into
+            if into.state is State.OPEN and into.tracker.between_frames:
+                side.write_close(into.answer or GOING_AWAY)
+            elif into.state is State.OPEN or into.state is State.ENDING:
+                side.abort()  # mid-frame: nothing clean can follow
+                continue
+            side.transport.close()
+
+    def _abort(self) -> None:
         self._deadline = None
         for side in (self.client, self.replica):
             side.abort()

@@ -64,10 +64,13 @@ async def clients() -> AsyncIterator[Clients]:
 
 @asynccontextmanager
 async def raw_fleet(raw: RawReplica, **options: Any) -> AsyncIterator[tuple[Edge, Clients]]:
-    """An edge over ``raw``, and the hand-made clients of the test."""
+    """An edge over ``raw``, and the hand-made clients of the test. Ends written by hand do
+    not answer close frames unless a test says so: the edge's close time is cut to a second,
+    so that the sessions a test leaves open end quickly when the edge drains."""
     await raw.start()
     try:
         async with fleet(extra=[(raw.name, raw.url)], **options) as edge, clients() as opened:
+            edge.dispatch.websockets.close_timeout_s = 1.0
             yield edge, opened
     finally:
         await raw.close()
@@ -528,3 +531,39 @@ async def test_a_botched_replica_handshake_is_502(head: bytes) -> None:
     async with raw_fleet(raw) as (edge, ends):
         _, status = await ends.connect(edge.url, PATH)
     assert status.startswith(b"HTTP/1.1 502 ")
+
+
+@pytest.mark.anyio
+async def test_a_close_the_other_side_never_answers_is_answered_when_the_time_is_up() -> None:
+    raw = RawReplica()
+    async with raw_fleet(raw) as (edge, ends):
+        edge.dispatch.websockets.close_timeout_s = 0.3
+        client, _ = await ends.connect(edge.url, PATH)
+        replica = await raw.peers.get()
+        client.send(frame(CLOSE, close_payload(4000, b"done"), masked=True))
+        got = await replica.frame()
+        assert (got.opcode, got.payload) == (CLOSE, close_payload(4000, b"done"))
+        # The replica never answers; once the close time is up the client has its answer
+        # anyway, and both connections end.
+        assert await client.frame() == (True, CLOSE, close_payload(4000, b"done"), False)
+        assert await closed_after(client) == b""
+        assert await closed_after(replica) == b""
+        await eventually_async(lambda: not edge.dispatch.websockets.relays)
+
+
+@pytest.mark.anyio
+async def test_a_frame_in_flight_that_never_ends_is_aborted_when_the_time_is_up() -> None:
+    raw = RawReplica()
+    async with raw_fleet(raw) as (edge, ends):
+        edge.dispatch.websockets.close_timeout_s = 0.3
+        client, _ = await ends.connect(edge.url, PATH)
+        replica = await raw.peers.get()
+        partial = frame(BINARY, b"s" * 1000)[:100]
+        replica.send(partial)
+        assert await client.reader.readexactly(len(partial)) == partial
+        await asyncio.wait_for(edge.drain(0.01), 10)
+        got = await replica.frame()
+        assert (got.opcode, got.payload) == (CLOSE, close_payload(1001, b"the edge is going away"))
+        # The rest of the frame never came: no close frame could follow it.
+        assert await closed_after(client) in (b"", b"<reset>")
+        assert not edge.dispatch.websockets.relays
