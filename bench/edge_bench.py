@@ -37,8 +37,10 @@ does per request, so the edge's own cost shows beside the language's floor
   between the routes like the POST ones (the order reversed every other round), each figure
   the median of its rounds;
 - ``*_cpu_ms_per_request``, ``*_frames_per_cpu_s``: the proxy process's CPU over each run (from
-  ``/proc/<pid>/stat``), and ``edge_cpu_per_request_over_replica_cpu_per_turn`` against the
-  replica's CPU per turn (``bench.replica_bench``, or ``--replica-json`` from its ``--json``).
+  ``/proc/<pid>/stat``; for the stream runs, some shorter than its 10 ms ticks, from the
+  scheduler's count in nanoseconds, ``/proc/<pid>/task/*/schedstat``), and
+  ``edge_cpu_per_request_over_replica_cpu_per_turn`` against the replica's CPU per turn
+  (``bench.replica_bench``, or ``--replica-json`` from its ``--json``).
 
     python -m bench.edge_bench [--quick] [--json FILE] [--replica-json FILE] [--baseline REV]
 
@@ -77,7 +79,7 @@ from bench.loadgen import (
     interleaved,
     post_once,
 )
-from bench.replica_bench import cpu_seconds, turns_per_cpu_second
+from bench.replica_bench import cpu_seconds, cpu_seconds_fine, turns_per_cpu_second
 from fleet_sim.local import REPO, Fleet, Proc, Replica, listening
 
 TARGET_ADDED_P50_MS: Final = 0.15
@@ -255,15 +257,17 @@ class StreamResult:
     def per_cpu_s(self) -> float | None:
         if self.proxy_cpu_s is None:
             return None
-        # Below one clock tick of CPU the figure would be a division by zero, not a measure.
+        # With no CPU counted the figure would be a division by zero, not a measure.
         return self.frames / self.proxy_cpu_s if self.proxy_cpu_s > 0 else None
 
 
 def _cpu_meter(pid: int | None) -> Callable[[], float | None]:
-    before = cpu_seconds(pid) if pid is not None else 0.0
+    """The edge's CPU over a stream run, to the nanosecond: a burst can take less than one of
+    ``/proc/<pid>/stat``'s 10 ms ticks."""
+    before = cpu_seconds_fine(pid) if pid is not None else 0.0
 
     def used() -> float | None:
-        return cpu_seconds(pid) - before if pid is not None else None
+        return cpu_seconds_fine(pid) - before if pid is not None else None
 
     return used
 
