@@ -346,6 +346,7 @@ def through_the_edge(fleet: Fleet, root: Path, sizes: Sizes) -> dict[str, Any]:
             "edge_user": _cpu_meter(edge_pid, children=True, part="user"),
             "edge_system": _cpu_meter(edge_pid, children=True, part="system"),
             "replica": _cpu_meter(replica_pid),
+            "replica_user": _cpu_meter(replica_pid, part="user"),
         }
         result = asyncio.run(
             _streaming_run(
@@ -365,6 +366,13 @@ def through_the_edge(fleet: Fleet, root: Path, sizes: Sizes) -> dict[str, Any]:
         edge_us = result["edge_us_per_token"]
         out[f"{name}_edge_over_replica_cpu_per_token"] = (
             round(edge_us / replica_us, 3) if edge_us and replica_us else None
+        )
+        # The same in user time alone: each process's own code, without the kernel's TCP work
+        # (on loopback that includes the receiving side's, which a network moves elsewhere).
+        replica_user = result["replica_user_us_per_token"]
+        edge_user = result["edge_user_us_per_token"]
+        out[f"{name}_edge_over_replica_user_cpu_per_token"] = (
+            round(edge_user / replica_user, 3) if edge_user and replica_user else None
         )
     fleet.retire(replica.proc)
     return out
