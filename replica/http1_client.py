@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final, cast
 
@@ -300,6 +300,17 @@ class _Connection(asyncio.Protocol):
                 self.transport.abort()
 
 
+async def read_to_end(read: Callable[[], Awaitable[bytes]], limit: int) -> bool:
+    """Read a body to its end and drop it, giving up past ``limit`` bytes; True if it ended."""
+    size = 0
+    while size <= limit:
+        data = await read()
+        if not data:
+            return True
+        size += len(data)
+    return False
+
+
 class Response:
     """An answer: its head at once, its body as it arrives. Release it with :meth:`aclose`
     (or :meth:`release`) as soon as it is no longer read: its connection goes back to the pool
@@ -345,13 +356,7 @@ class Response:
         """Read what is left of the body (at most ``limit`` bytes, as it arrives: no pacing),
         so the connection can be reused; True if the body ended."""
         self._conn.pace(0.0)
-        size = 0
-        while size <= limit:
-            data = await self.read()
-            if not data:
-                return True
-            size += len(data)
-        return False
+        return await read_to_end(self.read, limit)
 
     def release(self) -> None:
         """Pool the connection if the body was read to its end and allows keep-alive; else

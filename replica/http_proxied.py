@@ -26,6 +26,7 @@ from replica.http1_client import (
     RemoteProtocolError,
     WriteError,
     WriteTimeout,
+    read_to_end,
 )
 
 
@@ -115,13 +116,7 @@ class ProxiedResponse:
         raise failure
 
     async def drain(self, limit: int) -> bool:
-        size = 0
-        while size <= limit:
-            data = await self.read()
-            if not data:
-                return True
-            size += len(data)
-        return False
+        return await read_to_end(self.read, limit)
 
     async def aclose(self) -> None:
         aclose = getattr(self._chunks, "aclose", None)
