@@ -27,7 +27,6 @@ MAX_CONTROL_PAYLOAD: Final = 125
 MAX_CLOSE_REASON: Final = MAX_CONTROL_PAYLOAD - 2
 # The code a close frame without a payload stands for (RFC 6455 7.1.5); it is never sent.
 NO_STATUS: Final = 1005
-ABNORMAL: Final = 1006
 
 
 class Stop(enum.Enum):
