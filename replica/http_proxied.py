@@ -14,6 +14,8 @@ import contextlib
 import ipaddress
 import urllib.request
 from collections.abc import Mapping, Sequence
+from types import UnionType
+from typing import Final
 
 import httpx
 
@@ -127,25 +129,20 @@ class ProxiedResponse:
             await self._response.aclose()
 
 
+# httpx's errors and the lean client's classes of the same meaning, most specific first.
+_FROM_HTTPX: Final[tuple[tuple[type[httpx.HTTPError] | UnionType, type[HTTPError]], ...]] = (
+    (httpx.ConnectTimeout | httpx.PoolTimeout, ConnectTimeout),
+    (httpx.WriteTimeout, WriteTimeout),
+    (httpx.TimeoutException, ReadTimeout),
+    (httpx.ConnectError, ConnectError),
+    (httpx.WriteError, WriteError),
+    (httpx.NetworkError, ReadError),
+    (httpx.TransportError, RemoteProtocolError),
+)
+
+
 def _translated(exc: httpx.HTTPError) -> HTTPError:
     """httpx's error as the lean client's class of the same name (its message is not kept:
     an httpx message may quote the request)."""
-    name = type(exc).__name__
-    kind: type[HTTPError]
-    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
-        kind = ConnectTimeout
-    elif isinstance(exc, httpx.WriteTimeout):
-        kind = WriteTimeout
-    elif isinstance(exc, httpx.TimeoutException):
-        kind = ReadTimeout
-    elif isinstance(exc, httpx.ConnectError):
-        kind = ConnectError
-    elif isinstance(exc, httpx.WriteError):
-        kind = WriteError
-    elif isinstance(exc, httpx.NetworkError):
-        kind = ReadError
-    elif isinstance(exc, httpx.TransportError):
-        kind = RemoteProtocolError
-    else:
-        kind = HTTPError
-    return kind(f"through a proxy ({name})")
+    kind = next((ours for theirs, ours in _FROM_HTTPX if isinstance(exc, theirs)), HTTPError)
+    return kind(f"through a proxy ({type(exc).__name__})")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from replica.http_proxied import proxy_applies
+from replica import http1_client
+from replica.http_proxied import _translated, proxy_applies
 
 PROXY = "http://127.0.0.1:3128"
 
@@ -72,3 +73,26 @@ def test_a_request_sent_direct_is_one_httpx_would_send_direct(
         client.close()
     if not applies:
         assert direct
+
+
+@pytest.mark.parametrize(
+    ("theirs", "ours"),
+    [
+        (httpx.ConnectTimeout("x"), http1_client.ConnectTimeout),
+        (httpx.PoolTimeout("x"), http1_client.ConnectTimeout),
+        (httpx.WriteTimeout("x"), http1_client.WriteTimeout),
+        (httpx.ReadTimeout("x"), http1_client.ReadTimeout),
+        (httpx.ConnectError("x"), http1_client.ConnectError),
+        (httpx.WriteError("x"), http1_client.WriteError),
+        (httpx.ReadError("x"), http1_client.ReadError),
+        (httpx.RemoteProtocolError("x"), http1_client.RemoteProtocolError),
+        (httpx.DecodingError("x"), http1_client.HTTPError),
+    ],
+)
+def test_an_httpx_error_becomes_the_lean_client_s_of_the_same_meaning(
+    theirs: httpx.HTTPError, ours: type[Exception]
+) -> None:
+    translated = _translated(theirs)
+    assert type(translated) is ours
+    # The message names the class only: an httpx message may quote the request.
+    assert str(translated) == f"through a proxy ({type(theirs).__name__})"
